@@ -1,0 +1,443 @@
+"""Datasets, samplers and loaders.
+
+Samples travel as uint8 tensors (4x less to copy than float) and are normalised on the device
+in `Preprocess`. Training augmentation (random crop + horizontal flip) is a pure function of
+(seed, epoch, sample index): the same sample gets the same crop whatever the world size,
+number of workers, or where a resumed run restarts, so runs are comparable and resumable.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import random
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torchvision import datasets
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+import distributed
+from config import DataConfig
+from distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+# Per-channel mean and std of the training sets, in [0, 1] units.
+STATS = {
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+SYNTHETIC_SEED = 20240601  # fixed: the synthetic task is the same whatever train.seed is
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The dataset is not on disk and may not be downloaded; the message says how to get it."""
+
+
+class ImageTensors(Dataset):
+    """An in-memory dataset: uint8 images (N, C, H, W) and int64 labels (N,)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if images.dtype != torch.uint8 or images.ndim != 4 or len(images) != len(labels):
+            raise ValueError(
+                f"expected uint8 (N, C, H, W) images and N labels, got "
+                f"{images.dtype} {tuple(images.shape)} and {tuple(labels.shape)}"
+            )
+        self.images = images
+        self.labels = labels.long()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
+
+
+class ImageFiles(Dataset):
+    """The user's own `root/<class>/*` images, decoded to uint8 RGB and resized to a square."""
+
+    def __init__(self, root: Path, image_size: int, classes: list[str] | None = None) -> None:
+        self.folder = datasets.ImageFolder(str(root))
+        if classes is not None and self.folder.classes != classes:
+            raise ValueError(
+                f"class folders of {root} {self.folder.classes} differ from the "
+                f"training set's {classes}"
+            )
+        self.resize = v2.Resize((image_size, image_size), antialias=True)
+
+    def __len__(self) -> int:
+        return len(self.folder.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.folder.samples[index]
+        image = decode_image(path, mode=ImageReadMode.RGB)
+        return self.resize(image), label
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    train: Dataset
+    eval: Dataset
+    in_channels: int
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets
+
+
+def _prepare_fashion_mnist(root: Path) -> None:
+    """Copy Debian's gzipped Fashion-MNIST into torchvision's layout (once; atomic per file)."""
+    raw = root / "FashionMNIST" / "raw"
+    if not DEBIAN_FASHION_MNIST.is_dir() or all((raw / n).exists() for n in FASHION_MNIST_FILES):
+        return
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in FASHION_MNIST_FILES:
+        target = raw / name
+        if target.exists():
+            continue
+        tmp = raw / f".{name}.{os.getpid()}.tmp"
+        with gzip.open(DEBIAN_FASHION_MNIST / f"{name}.gz", "rb") as src, tmp.open("wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, target)  # concurrent preparers (several nodes) each write whole files
+    log.info("unpacked Fashion-MNIST from %s into %s", DEBIAN_FASHION_MNIST, raw)
+
+
+def _missing(name: str, path: Path, how: str) -> DatasetNotFoundError:
+    return DatasetNotFoundError(f"{name} not found under {path} and --data.download=false: {how}")
+
+
+def _fashion_mnist(cfg: DataConfig) -> DataSplits:
+    root = Path(cfg.root)
+    _prepare_fashion_mnist(root)
+    try:
+        train = datasets.FashionMNIST(str(root), train=True, download=cfg.download)
+        test = datasets.FashionMNIST(str(root), train=False, download=cfg.download)
+    except RuntimeError as err:
+        if cfg.download:
+            raise DatasetNotFoundError(
+                f"Fashion-MNIST could not be downloaded into {root}: {err}. "
+                "Install it offline with `apt-get install "
+                "dataset-fashion-mnist`."
+            ) from err
+        raise _missing(
+            "Fashion-MNIST",
+            root / "FashionMNIST" / "raw",
+            f"install Debian's package dataset-fashion-mnist (files in "
+            f"{DEBIAN_FASHION_MNIST}) or pass --data.download=true",
+        ) from None
+    mean, std = STATS["fashion_mnist"]
+    return DataSplits(
+        ImageTensors(train.data.unsqueeze(1), train.targets),
+        ImageTensors(test.data.unsqueeze(1), test.targets),
+        1,
+        10,
+        mean,
+        std,
+    )
+
+
+def _cifar10(cfg: DataConfig) -> DataSplits:
+    root = Path(cfg.root)
+    try:
+        train = datasets.CIFAR10(str(root), train=True, download=cfg.download)
+        test = datasets.CIFAR10(str(root), train=False, download=cfg.download)
+    except RuntimeError:
+        raise _missing(
+            "CIFAR-10",
+            root / "cifar-10-batches-py",
+            "pass --data.download=true on a machine with internet access, or copy "
+            "the extracted cifar-10-batches-py folder there",
+        ) from None
+
+    def to_tensors(ds: datasets.CIFAR10) -> ImageTensors:
+        images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
+        return ImageTensors(images, torch.tensor(ds.targets))
+
+    mean, std = STATS["cifar10"]
+    return DataSplits(to_tensors(train), to_tensors(test), 3, 10, mean, std)
+
+
+def _imagefolder(cfg: DataConfig) -> DataSplits:
+    root = Path(cfg.root)
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise DatasetNotFoundError(
+                f"imagefolder needs {root / split}/<class>/<image> folders; {root / split} "
+                "does not exist (set --data.root to the folder holding train/ and val/)"
+            )
+    train = ImageFiles(root / "train", cfg.image_size)
+    test = ImageFiles(root / "val", cfg.image_size, classes=train.folder.classes)
+    mean, std = STATS["imagefolder"]
+    return DataSplits(train, test, 3, len(train.folder.classes), mean, std)
+
+
+def make_synthetic(
+    num_samples: int, shape: Sequence[int], num_classes: int, seed: int
+) -> ImageTensors:
+    """Deterministic, learnable images: a smooth per-class template plus per-sample noise."""
+    channels, height, width = shape
+    templates_gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
+    coarse = torch.randn(
+        num_classes, channels, max(2, height // 4), max(2, width // 4), generator=templates_gen
+    )
+    templates = torch.nn.functional.interpolate(
+        coarse, size=(height, width), mode="bilinear", align_corners=False
+    )
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, num_classes, (num_samples,), generator=gen)
+    noise = torch.randn(num_samples, channels, height, width, generator=gen)
+    images = 128 + 60 * templates[labels] + 30 * noise
+    return ImageTensors(images.round().clamp(0, 255).to(torch.uint8), labels)
+
+
+def _synthetic(cfg: DataConfig) -> DataSplits:
+    shape = cfg.synthetic_shape
+    train = make_synthetic(
+        cfg.synthetic_train_size, shape, cfg.synthetic_num_classes, SYNTHETIC_SEED + 1
+    )
+    test = make_synthetic(
+        cfg.synthetic_eval_size, shape, cfg.synthetic_num_classes, SYNTHETIC_SEED + 2
+    )
+    channels = shape[0]
+    return DataSplits(
+        train, test, channels, cfg.synthetic_num_classes, (0.5,) * channels, (0.25,) * channels
+    )
+
+
+_BUILDERS = {
+    "fashion_mnist": _fashion_mnist,
+    "cifar10": _cifar10,
+    "imagefolder": _imagefolder,
+    "synthetic": _synthetic,
+}
+
+
+def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
+    """Load (and if allowed download) the dataset; one process per node touches the disk first.
+
+    Local rank 0 prepares the files while the others wait at a barrier, then every rank loads.
+    The barrier is called by every rank, also when preparation fails, so a missing dataset
+    fails fast everywhere instead of hanging the other ranks.
+    """
+    builder = _BUILDERS[cfg.dataset]
+    error: Exception | None = None
+    if info.local_rank == 0:
+        try:
+            splits = builder(cfg)
+        except Exception as err:  # re-raised below, after the other ranks are released
+            error = err
+    distributed.raise_if_any_failed(info, error, f"preparing the {cfg.dataset} dataset")
+    if info.local_rank != 0:
+        splits = builder(cfg)
+    if cfg.subset:
+        if cfg.subset > len(splits.train):
+            raise ValueError(
+                f"--data.subset={cfg.subset} exceeds the {len(splits.train)} "
+                f"training samples of {cfg.dataset}"
+            )
+        order = torch.randperm(len(splits.train), generator=torch.Generator().manual_seed(seed))
+        splits = DataSplits(
+            Subset(splits.train, order[: cfg.subset].tolist()),
+            splits.eval,
+            splits.in_channels,
+            splits.num_classes,
+            splits.mean,
+            splits.std,
+        )
+    return splits
+
+
+# ---------------------------------------------------------------------------------------------
+# Augmentation and sampling
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(*values: int) -> int:
+    """A well-mixed 64-bit hash of integers (splitmix64 finaliser), cheap in pure Python."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h
+
+
+class Augmented(Dataset):
+    """Training view of a dataset, indexed by (epoch, index) pairs from `EpochSampler`.
+
+    The crop offsets and the flip are drawn from a hash of (seed, epoch, index), so they do not
+    depend on which rank or worker loads the sample, nor on where a resumed run starts.
+    """
+
+    def __init__(self, base: Dataset, seed: int, padding: int, enabled: bool) -> None:
+        self.base = base
+        self.seed = seed
+        self.padding = padding
+        self.enabled = enabled
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key
+        image, label = self.base[index]
+        if not self.enabled:
+            return image, label
+        h = _mix64(self.seed, epoch, index)
+        if self.padding:
+            span = 2 * self.padding + 1
+            top, left = h % span, (h >> 16) % span
+            height, width = image.shape[-2:]
+            image = TF.crop(TF.pad(image, [self.padding] * 4), top, left, height, width)
+        if (h >> 32) & 1:
+            image = TF.horizontal_flip(image)
+        return image, label
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler that yields (epoch, index) and can skip samples already consumed.
+
+    Shuffling is seeded by (seed, epoch) exactly as in DistributedSampler, so every rank
+    computes the same permutation and takes its own disjoint stride of it. `drop_last` is on:
+    every rank gets the same number of samples (unequal counts would leave one rank waiting
+    in a gradient all-reduce that the others never join).
+    """
+
+    def __init__(self, dataset: Dataset, info: DistInfo, seed: int) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=info.world_size,
+            rank=info.rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
+        )
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Start `epoch`, leaving out this rank's first `skip` samples (already trained on)."""
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        indices = list(super().__iter__())[self.skip :]
+        return iter([(self.epoch, index) for index in indices])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class ShardSampler(Sampler[int]):
+    """Every `world_size`-th index starting at `rank`: disjoint, covering, no padding.
+
+    For evaluation: shards differ in length by at most one, which is fine because evaluation
+    runs no collective per batch, only one all-reduce of (loss sum, correct, count) at the end.
+    """
+
+    def __init__(self, num_samples: int, info: DistInfo) -> None:
+        self.indices = range(info.rank, num_samples, info.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _seed_worker(worker_id: int) -> None:
+    # torch seeds each worker with base_seed + worker_id; give Python and NumPy (used by
+    # user-added transforms) seeds derived from it as well.
+    worker_seed = torch.initial_seed() % 2**32
+    random.seed(worker_seed)
+    np.random.seed(worker_seed)
+
+
+def _loader_options(cfg: DataConfig, info: DistInfo, seed: int) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "num_workers": cfg.num_workers,
+        "pin_memory": info.device.type == "cuda",
+        "worker_init_fn": _seed_worker,
+        "generator": torch.Generator().manual_seed(seed + info.rank),
+    }
+    if cfg.num_workers > 0:
+        options["persistent_workers"] = True
+        options["prefetch_factor"] = cfg.prefetch_factor
+    return options
+
+
+def build_train_loader(
+    splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int
+) -> DataLoader:
+    dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
+    sampler = EpochSampler(dataset, info, seed)
+    if len(sampler) < cfg.batch_size:
+        raise ValueError(
+            f"each of the {info.world_size} ranks gets {len(sampler)} training "
+            f"samples, fewer than --data.batch_size={cfg.batch_size}"
+        )
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        **_loader_options(cfg, info, seed),
+    )
+
+
+def build_eval_loader(splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int) -> DataLoader:
+    sampler = ShardSampler(len(splits.eval), info)  # type: ignore[arg-type]
+    return DataLoader(
+        splits.eval,
+        batch_size=cfg.eval_batch_size,
+        sampler=sampler,
+        **_loader_options(cfg, info, seed),
+    )
+
+
+def set_epoch(loader: DataLoader, epoch: int, samples_done: int = 0) -> None:
+    """The one place that advances the training sampler: call once at the top of every epoch."""
+    sampler = loader.sampler
+    assert isinstance(sampler, EpochSampler)
+    sampler.set_epoch(epoch, skip=samples_done)
+
+
+class Preprocess:
+    """Move a uint8 batch to the device and normalise it there."""
+
+    def __init__(self, splits: DataSplits, device: torch.device, channels_last: bool) -> None:
+        scale = 255.0
+        self.mean = torch.tensor(splits.mean, device=device).view(1, -1, 1, 1) * scale
+        self.inv_std = 1.0 / (torch.tensor(splits.std, device=device).view(1, -1, 1, 1) * scale)
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # non_blocking: with pinned memory the copy overlaps with compute already queued.
+        images = images.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        images = (images.float() - self.mean) * self.inv_std
+        return images.contiguous(memory_format=self.memory_format), labels

@@ -1,0 +1,235 @@
+"""Process-group lifecycle and the few collectives the pipeline needs.
+
+This is the only module that talks to `torch.distributed`. Every helper is a no-op when no
+process group exists (a plain `python train.py`), so callers never branch on "am I distributed".
+Every helper is a collective: all ranks must call it, in the same order (a collective called
+under `if rank == 0` hangs the other ranks until the timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Re-exported for train.py: wrapping the entry point makes torchrun report the failing rank's
+# exception and traceback instead of a bare "exitcode 1".
+from torch.distributed.elastic.multiprocessing.errors import record as record
+from torch.nn.parallel import DistributedDataParallel
+
+from config import DistConfig
+
+log = logging.getLogger(__name__)
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job. Built once by `setup`, then passed explicitly."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None = None  # None: single process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def read_env() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) from torchrun's variables, or None outside torchrun."""
+    present = [name for name in _TORCHRUN_VARS if name in os.environ]
+    if not present:
+        return None
+    if len(present) != len(_TORCHRUN_VARS):
+        missing = sorted(set(_TORCHRUN_VARS) - set(present))
+        raise RuntimeError(
+            f"incomplete launcher environment: {', '.join(present)} set but {', '.join(missing)} "
+            "missing; launch with torchrun (or unset them to run a single process)"
+        )
+    rank, local_rank, world_size = (_env_int(name) for name in _TORCHRUN_VARS)
+    if not (0 <= rank < world_size and local_rank >= 0):
+        raise RuntimeError(
+            f"inconsistent launcher environment: RANK={rank} LOCAL_RANK={local_rank} "
+            f"WORLD_SIZE={world_size}"
+        )
+    return rank, local_rank, world_size
+
+
+def resolve_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "dist.backend=nccl needs CUDA GPUs, but torch.cuda.is_available() is "
+            "False on this host; use --dist.backend=gloo (or auto) on CPU"
+        )
+    return requested
+
+
+def setup(cfg: DistConfig) -> DistInfo:
+    """Join the process group described by torchrun's environment (or run alone without one)."""
+    env = read_env()
+    if env is None:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return DistInfo(rank=0, local_rank=0, world_size=1, device=device)
+    rank, local_rank, world_size = env
+    backend = resolve_backend(cfg.backend)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this host has only "
+                f"{torch.cuda.device_count()} CUDA devices: lower --nproc_per_node"
+            )
+        device = torch.device("cuda", local_rank)
+        # Before init_process_group: NCCL binds its communicator to the current device, and
+        # without this every rank would create a context on GPU 0.
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    return DistInfo(
+        rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend
+    )
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier(info: DistInfo) -> None:
+    if not _active():
+        return
+    if info.backend == "nccl":
+        dist.barrier(device_ids=[info.local_rank])
+    else:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over ranks, in place, and return it."""
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) -> None:
+    """Collective: every rank learns whether `what` failed on any rank, and all of them raise.
+
+    Use it after work that only some ranks do (rank 0 saving, local rank 0 preparing data)
+    instead of a bare barrier: a failing rank would otherwise leave the others waiting in the
+    barrier until the timeout.
+    """
+    flag = torch.tensor([float(error is not None)], device=info.device)
+    num_failed = int(all_reduce_sum(flag).item())
+    if error is not None:
+        raise error
+    if num_failed:
+        raise RuntimeError(f"{what} failed on {num_failed} other rank(s); see their errors")
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank.
+
+    Objects are pickled on the wire, like everything in the c10d store: the cluster network
+    must be trusted.
+    """
+    if not _active():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
+    """DistributedDataParallel around `model` when there is more than one rank."""
+    if info.world_size == 1:
+        return model
+    device_ids = [info.local_rank] if info.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The bare module under DDP and torch.compile wrappers (clean state_dict keys)."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip DDP's gradient all-reduce inside this block when `enabled` is False.
+
+    Both forward and backward of a non-final accumulation micro-step must run inside
+    `no_sync()`: DDP decides in forward whether the following backward will all-reduce.
+    """
+    ddp = model if isinstance(model, DistributedDataParallel) else getattr(model, "_orig_mod", None)
+    if enabled or not isinstance(ddp, DistributedDataParallel):
+        yield
+        return
+    with ddp.no_sync():
+        yield
+
+
+def average_buffers(model: nn.Module) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) over ranks, in place.
+
+    DDP broadcasts rank 0's buffers at the start of each forward, then each rank updates its
+    own copy from its own shard, so after the last step the ranks disagree slightly. Averaging
+    before evaluation and checkpointing makes every rank evaluate, and rank 0 save, the same model.
+    """
+    if not _active():
+        return
+    buffers = [b for b in unwrap_model(model).buffers() if b.is_floating_point()]
+    if not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= dist.get_world_size()
+    offset = 0
+    for b in buffers:
+        b.copy_(flat[offset : offset + b.numel()].view_as(b))
+        offset += b.numel()

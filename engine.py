@@ -1,0 +1,155 @@
+"""The math of training: optimizer, LR schedule, precision, one optimizer step, evaluation.
+
+Plain functions with no I/O and no rank checks. Nothing here calls `.item()` or otherwise
+waits for the device, except `evaluate`, which returns Python numbers once at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+import distributed
+from config import OptimConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `--train.amp` on `device`, or None for full precision."""
+    if amp == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
+    """A GradScaler that is active only for fp16 (bf16 has fp32's range and needs none)."""
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """SGD or AdamW; weight decay on conv/linear weights only, not on norm scales or biases."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
+        )
+    beta1, beta2 = cfg.betas
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(beta1, beta2))
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR at optimizer step `step`: linear warmup, then cosine decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> LambdaLR:
+    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
+    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.min_lr_ratio))
+
+
+@dataclass
+class StepStats:
+    """Device tensors for one optimizer step; read them (a device sync) only when logging."""
+
+    loss_sum: torch.Tensor  # sum over this rank's samples of the training loss
+    correct: torch.Tensor  # this rank's correctly classified training samples
+    num_samples: int
+    grad_norm: torch.Tensor  # global gradient L2 norm before clipping
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: Sequence[Batch],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    loss_fn: nn.Module,
+    amp_dtype: torch.dtype | None,
+    grad_clip: float,
+) -> StepStats:
+    """One optimizer step over `len(micro_batches)` accumulated micro-batches.
+
+    The loss of each micro-batch is divided by their number so the accumulated gradient is
+    the mean over all of them, the same as one batch of the combined size. DDP averages over
+    ranks, so the step equals one step on the global batch.
+    """
+    device = micro_batches[0][0].device
+    num_micro = len(micro_batches)
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    for i, (images, labels) in enumerate(micro_batches):
+        # Only the last micro-step all-reduces; forward AND backward sit inside no_sync.
+        with distributed.gradient_sync(model, enabled=i == num_micro - 1):
+            with autocast(device, amp_dtype):
+                logits = model(images)
+                loss = loss_fn(logits, labels)
+            scaler.scale(loss / num_micro).backward()
+        loss_sum += loss.detach().float() * len(labels)
+        correct += (logits.detach().argmax(dim=1) == labels).sum()
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepStats(loss_sum, correct, sum(len(labels) for _, labels in micro_batches), grad_norm)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    accuracy: float
+    num_samples: int  # evaluated samples summed over all ranks
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, batches: Iterable[Batch], device: torch.device, amp_dtype: torch.dtype | None
+) -> EvalResult:
+    """Exact loss and accuracy over every rank's shard: (sum, count) all-reduced, no padding.
+
+    Runs the bare module: a forward through the DDP wrapper would broadcast buffers, a
+    collective that ranks with fewer evaluation batches would never join.
+    """
+    bare = distributed.unwrap_model(model)
+    was_training = bare.training
+    bare.eval()
+    totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    for images, labels in batches:
+        with autocast(device, amp_dtype):
+            logits = bare(images)
+        loss = nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[0] += loss.double()
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += len(labels)
+    bare.train(was_training)
+    loss_sum, correct, count = distributed.all_reduce_sum(totals).tolist()
+    denominator = max(count, 1.0)
+    return EvalResult(
+        loss=loss_sum / denominator, accuracy=correct / denominator, num_samples=int(count)
+    )
