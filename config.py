@@ -216,7 +216,7 @@ class OptimConfig:
     weight_decay: float = field(
         default=5e-4,
         metadata=doc(
-            "decoupled (AdamW) or L2 (SGD) weight decay on conv/linear weights; none on norms, biases"
+            "decoupled (AdamW) or L2 (SGD) weight decay of conv/linear weights (not norms, biases)"
         ),
     )
     warmup_steps: int = field(

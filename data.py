@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from torchvision import datasets
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
@@ -72,7 +71,7 @@ class ImageTensors(Dataset):
 
 
 class ImageFiles(Dataset):
-    """The user's own `root/<class>/*` images, decoded to uint8 RGB and resized to a square."""
+    """The user's own `root/<class>/*` images as uint8 RGB tensors resized to a square."""
 
     def __init__(self, root: Path, image_size: int, classes: list[str] | None = None) -> None:
         self.folder = datasets.ImageFolder(str(root))
@@ -87,9 +86,8 @@ class ImageFiles(Dataset):
         return len(self.folder.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.folder.samples[index]
-        image = decode_image(path, mode=ImageReadMode.RGB)
-        return self.resize(image), label
+        image, label = self.folder[index]  # PIL decode, converted to RGB
+        return self.resize(TF.pil_to_tensor(image)), label
 
 
 @dataclass(frozen=True)
@@ -162,11 +160,11 @@ def _cifar10(cfg: DataConfig) -> DataSplits:
     try:
         train = datasets.CIFAR10(str(root), train=True, download=cfg.download)
         test = datasets.CIFAR10(str(root), train=False, download=cfg.download)
-    except RuntimeError:
+    except RuntimeError as err:
         raise _missing(
             "CIFAR-10",
             root / "cifar-10-batches-py",
-            "pass --data.download=true on a machine with internet access, or copy "
+            f"{err} Pass --data.download=true on a machine with internet access, or copy "
             "the extracted cifar-10-batches-py folder there",
         ) from None
 

@@ -66,7 +66,7 @@ def read_env() -> tuple[int, int, int] | None:
             f"incomplete launcher environment: {', '.join(present)} set but {', '.join(missing)} "
             "missing; launch with torchrun (or unset them to run a single process)"
         )
-    rank, local_rank, world_size = (_env_int(name) for name in _TORCHRUN_VARS)
+    rank, local_rank, world_size = _env_int("RANK"), _env_int("LOCAL_RANK"), _env_int("WORLD_SIZE")
     if not (0 <= rank < world_size and local_rank >= 0):
         raise RuntimeError(
             f"inconsistent launcher environment: RANK={rank} LOCAL_RANK={local_rank} "

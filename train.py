@@ -1,14 +1,13 @@
-"""Train MiniResNet data-parallel: `python train.py` on one process, `torchrun ... train.py` on many.
+"""Train MiniResNet data-parallel: `python train.py` alone, `torchrun ... train.py` on many.
 
 The story of a run: parse and validate the config (before any process group exists), join
-the process group, build data, model and optimizer, resume if a checkpoint exists, train
-with periodic evaluation and checkpoints, and always leave the process group on the way out.
+the process group, build data, model and optimizer, resume if a checkpoint exists, train with
+an evaluation and a checkpoint at the end of every epoch, and always leave the process group.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import sys
@@ -35,7 +34,7 @@ log = logging.getLogger("train")
 
 
 def setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO, the others only warnings and errors, each line tagged with its rank."""
+    """Rank 0 logs at INFO, the others only warnings and errors; every line names its rank."""
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
@@ -60,7 +59,24 @@ class Position:
     step_in_epoch: int = 0
 
 
-def write_run_files(cfg: Config, run_dir: Path) -> None:
+@dataclass
+class Job:
+    """Everything a run trains with, built once by `build`."""
+
+    model: nn.Module  # wrapped for DDP (and torch.compile) when configured
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+    loss_fn: nn.Module
+    train_loader: torch.utils.data.DataLoader
+    eval_loader: torch.utils.data.DataLoader
+    preprocess: data.Preprocess
+    steps_per_epoch: int
+    total_steps: int
+
+
+def write_config(cfg: Config, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     payload = (cfg.to_json() + "\n").encode()
     checkpoint.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
@@ -81,57 +97,55 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
     return model.to(device=info.device, memory_format=memory_format)
 
 
-def checkpoint_state(
-    cfg: Config,
-    info: DistInfo,
-    model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
-    pos: Position,
-    accuracy: float | None,
-) -> dict[str, Any]:
-    return {
-        "model": distributed.unwrap_model(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "step": pos.step,
-        "epoch": pos.epoch,
-        "step_in_epoch": pos.step_in_epoch,
-        "eval_accuracy": accuracy,
-        "world_size": info.world_size,
-        "global_batch_size": global_batch_size(cfg, info.world_size),
-        "config": cfg.to_dict(),
-        "config_hash": cfg.fingerprint(),
-        "torch_version": torch.__version__,
-    }
-
-
-def save_checkpoint(
-    cfg: Config, info: DistInfo, state_fn: Any, step: int, accuracy: float | None
-) -> None:
-    """Rank 0 writes; every rank then learns whether it worked (this is also the barrier)."""
-    error: Exception | None = None
-    if info.is_main:
-        try:
-            checkpoint.save(
-                state_fn(), checkpoint.checkpoint_dir(cfg.run.dir), step, cfg.ckpt.keep, accuracy
-            )
-        except Exception as err:  # re-raised on rank 0 by raise_if_any_failed
-            error = err
-    distributed.raise_if_any_failed(info, error, f"saving the step {step} checkpoint")
+def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
+    splits = data.build_datasets(cfg.data, cfg.train.seed, info)
+    train_loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
+    accum = cfg.train.grad_accum_steps
+    steps_per_epoch = len(train_loader) // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"an epoch has {len(train_loader)} micro-batches per rank, fewer than "
+            f"train.grad_accum_steps={accum}: lower it or data.batch_size"
+        )
+    total_steps = cfg.train.epochs * steps_per_epoch
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    model = build_model(cfg, splits, info)
+    optimizer = engine.build_optimizer(model, cfg.optim)
+    scheduler = engine.build_scheduler(optimizer, cfg.optim, total_steps)
+    amp_dtype = engine.resolve_amp(cfg.train.amp, info.device)
+    scaler = engine.make_scaler(info.device, amp_dtype)
+    # Restore into the bare model before wrapping: DDP then starts from the loaded weights.
+    pos = restore(cfg, info, model, optimizer, scheduler, scaler, steps_per_epoch)
+    wrapped = distributed.wrap_model(model, info)
+    if cfg.train.compile:
+        wrapped = torch.compile(wrapped)
+    job = Job(
+        model=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        amp_dtype=amp_dtype,
+        loss_fn=nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
+        train_loader=train_loader,
+        eval_loader=data.build_eval_loader(splits, cfg.data, info, cfg.train.seed),
+        preprocess=data.Preprocess(splits, info.device, cfg.model.channels_last),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+    )
+    return job, pos
 
 
 def restore(
     cfg: Config,
     info: DistInfo,
     model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    scaler: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    scaler: torch.amp.GradScaler,
     steps_per_epoch: int,
 ) -> Position:
+    """Load the checkpoint `ckpt.resume` selects (on every rank, onto its own device)."""
     found = checkpoint.load_for_resume(cfg.ckpt.resume, cfg.run.dir, info.device)
     if found is None:
         return Position()
@@ -161,123 +175,89 @@ def restore(
     return pos
 
 
-def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
-    show = cfg.log.progress == "on" or (cfg.log.progress == "auto" and sys.stderr.isatty())
-    if not (info.is_main and show):
-        return nullcontext()
-    from tqdm import tqdm
+def save_checkpoint(
+    cfg: Config, info: DistInfo, job: Job, pos: Position, accuracy: float | None
+) -> None:
+    """Rank 0 writes; then every rank learns whether it worked (this is also the barrier).
 
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
-
-
-def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
-    run_dir = Path(cfg.run.dir)
+    Call after `distributed.average_buffers`, so the saved model is the one every rank holds.
+    """
+    error: Exception | None = None
     if info.is_main:
-        write_run_files(cfg, run_dir)
-    seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
-    splits = data.build_datasets(cfg.data, cfg.train.seed, info)
-    train_loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
-    eval_loader = data.build_eval_loader(splits, cfg.data, info, cfg.train.seed)
-    preprocess = data.Preprocess(splits, info.device, cfg.model.channels_last)
+        state = {
+            "model": distributed.unwrap_model(job.model).state_dict(),
+            "optimizer": job.optimizer.state_dict(),
+            "scheduler": job.scheduler.state_dict(),
+            "scaler": job.scaler.state_dict(),
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "step_in_epoch": pos.step_in_epoch,
+            "eval_accuracy": accuracy,
+            "world_size": info.world_size,
+            "global_batch_size": global_batch_size(cfg, info.world_size),
+            "config": cfg.to_dict(),
+            "config_hash": cfg.fingerprint(),
+            "torch_version": torch.__version__,
+        }
+        try:
+            checkpoint.save(
+                state, checkpoint.checkpoint_dir(cfg.run.dir), pos.step, cfg.ckpt.keep, accuracy
+            )
+        except Exception as err:  # re-raised on this rank by raise_if_any_failed
+            error = err
+    distributed.raise_if_any_failed(info, error, f"saving the step {pos.step} checkpoint")
+
+
+def train_epoch(
+    cfg: Config,
+    info: DistInfo,
+    job: Job,
+    pos: Position,
+    meter: TrainMeter,
+    writer: MetricsWriter,
+    bar: Any,
+) -> None:
+    """Optimizer steps from `pos` to the end of the epoch (or of the run)."""
     accum = cfg.train.grad_accum_steps
-    steps_per_epoch = len(train_loader) // accum
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"an epoch has {len(train_loader)} micro-batches per rank, fewer than "
-            f"--train.grad_accum_steps={accum}: lower it or data.batch_size"
+    data.set_epoch(job.train_loader, pos.epoch, pos.step_in_epoch * accum * cfg.data.batch_size)
+    batches = iter(job.train_loader)
+    job.model.train()
+    while pos.step_in_epoch < job.steps_per_epoch and pos.step < job.total_steps:
+        started = time.perf_counter()
+        micro_batches = [job.preprocess(*next(batches)) for _ in range(accum)]
+        data_wait = time.perf_counter() - started
+        stats = engine.train_step(
+            job.model,
+            micro_batches,
+            job.optimizer,
+            job.scaler,
+            job.loss_fn,
+            job.amp_dtype,
+            cfg.optim.grad_clip,
         )
-    total_steps = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps:
-        total_steps = min(total_steps, cfg.train.max_steps)
+        job.scheduler.step()
+        pos.step += 1
+        pos.step_in_epoch += 1
+        meter.update(stats, data_wait)
+        if bar is not None:
+            bar.update(1)
+        if pos.step % cfg.log.every_steps == 0 or pos.step == job.total_steps:
+            log_train(writer, meter, pos, job.scheduler.get_last_lr()[0])
+        # The end of an epoch (or of the run) is saved by the caller, after evaluation.
+        segment_ends = pos.step_in_epoch == job.steps_per_epoch or pos.step == job.total_steps
+        if cfg.ckpt.every_steps and pos.step % cfg.ckpt.every_steps == 0 and not segment_ends:
+            distributed.average_buffers(job.model)
+            save_checkpoint(cfg, info, job, pos, None)
 
-    model = build_model(cfg, splits, info)
-    optimizer = engine.build_optimizer(model, cfg.optim)
-    scheduler = engine.build_scheduler(optimizer, cfg.optim, total_steps)
-    amp_dtype = engine.resolve_amp(cfg.train.amp, info.device)
-    scaler = engine.make_scaler(info.device, amp_dtype)
-    pos = restore(cfg, info, model, optimizer, scheduler, scaler, steps_per_epoch)
-    ddp_model = distributed.wrap_model(model, info)
-    if cfg.train.compile:
-        ddp_model = torch.compile(ddp_model)
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
 
-    log.info(
-        "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
-        "%d steps in total, config %s",
-        info.world_size,
-        info.device,
-        info.backend,
-        amp_dtype,
-        global_batch_size(cfg, info.world_size),
-        steps_per_epoch,
-        total_steps,
-        cfg.fingerprint(),
-    )
-    writer = MetricsWriter(run_dir, info.is_main, cfg.log.tensorboard)
-    meter = TrainMeter(info.device, info.world_size)
-    last_eval: engine.EvalResult | None = None
-
-    def state_fn(accuracy: float | None = None) -> dict[str, Any]:
-        return checkpoint_state(cfg, info, ddp_model, optimizer, scheduler, scaler, pos, accuracy)
-
-    try:
-        with progress_bar(cfg, info, total_steps, pos.step) as bar:
-            while pos.step < total_steps:
-                data.set_epoch(
-                    train_loader, pos.epoch, pos.step_in_epoch * accum * cfg.data.batch_size
-                )
-                batches = iter(train_loader)
-                while pos.step_in_epoch < steps_per_epoch and pos.step < total_steps:
-                    started = time.perf_counter()
-                    micro = [preprocess(*next(batches)) for _ in range(accum)]
-                    data_wait = time.perf_counter() - started
-                    ddp_model.train()
-                    stats = engine.train_step(
-                        ddp_model, micro, optimizer, scaler, loss_fn, amp_dtype, cfg.optim.grad_clip
-                    )
-                    scheduler.step()
-                    pos.step += 1
-                    pos.step_in_epoch += 1
-                    meter.update(stats, data_wait)
-                    if bar is not None:
-                        bar.update(1)
-                    if pos.step % cfg.log.every_steps == 0 or pos.step == total_steps:
-                        log_train(writer, meter, pos, scheduler.get_last_lr()[0])
-                    ends_here = pos.step_in_epoch == steps_per_epoch or pos.step == total_steps
-                    if (
-                        cfg.ckpt.every_steps
-                        and pos.step % cfg.ckpt.every_steps == 0
-                        and not ends_here
-                    ):
-                        distributed.average_buffers(ddp_model)
-                        save_checkpoint(cfg, info, state_fn, pos.step, None)
-                distributed.average_buffers(ddp_model)
-                eval_batches = (preprocess(x, y) for x, y in eval_loader)
-                last_eval = engine.evaluate(ddp_model, eval_batches, info.device, amp_dtype)
-                log_eval(writer, last_eval, pos)
-                save_checkpoint(
-                    cfg, info, lambda: state_fn(last_eval.accuracy), pos.step, last_eval.accuracy
-                )
-                if pos.step_in_epoch == steps_per_epoch:
-                    pos.epoch += 1
-                    pos.step_in_epoch = 0
-    finally:
-        writer.close()
-    if last_eval is None:
-        log.info("nothing to do: the checkpoint is already at step %d of %d", pos.step, total_steps)
-        return {"step": pos.step}
-    return {
-        "step": pos.step,
-        "eval_loss": last_eval.loss,
-        "eval_accuracy": last_eval.accuracy,
-        "eval_num_samples": last_eval.num_samples,
-    }
+def evaluate(info: DistInfo, job: Job) -> engine.EvalResult:
+    distributed.average_buffers(job.model)  # every rank evaluates the same model
+    batches = (job.preprocess(images, labels) for images, labels in job.eval_loader)
+    return engine.evaluate(job.model, batches, info.device, job.amp_dtype)
 
 
 def log_train(writer: MetricsWriter, meter: TrainMeter, pos: Position, lr: float) -> None:
-    figures = meter.reduce()  # collective: every rank logs at the same steps
-    if not math.isfinite(figures["loss"]):
-        log.warning("non-finite training loss at step %d", pos.step)
+    figures = meter.reduce()  # a collective: every rank logs at the same steps
     log.info(
         "step %d epoch %d loss %.4f acc %.4f lr %.4g %.0f samples/s data-wait %.1f%%",
         pos.step,
@@ -310,6 +290,58 @@ def log_eval(writer: MetricsWriter, result: engine.EvalResult, pos: Position) ->
             "num_samples": result.num_samples,
         }
     )
+
+
+def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
+    show = cfg.log.progress == "on" or (cfg.log.progress == "auto" and sys.stderr.isatty())
+    if not (info.is_main and show):
+        return nullcontext()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+
+
+def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
+    run_dir = Path(cfg.run.dir)
+    if info.is_main:
+        write_config(cfg, run_dir)
+    seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
+    job, pos = build(cfg, info)
+    log.info(
+        "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
+        "%d steps in total, config %s",
+        info.world_size,
+        info.device,
+        info.backend,
+        job.amp_dtype,
+        global_batch_size(cfg, info.world_size),
+        job.steps_per_epoch,
+        job.total_steps,
+        cfg.fingerprint(),
+    )
+    writer = MetricsWriter(run_dir, info.is_main, cfg.log.tensorboard)
+    meter = TrainMeter(info.device, info.world_size)
+    result: engine.EvalResult | None = None
+    try:
+        with progress_bar(cfg, info, job.total_steps, pos.step) as bar:
+            while pos.step < job.total_steps:
+                train_epoch(cfg, info, job, pos, meter, writer, bar)
+                result = evaluate(info, job)
+                log_eval(writer, result, pos)
+                save_checkpoint(cfg, info, job, pos, result.accuracy)
+                if pos.step_in_epoch == job.steps_per_epoch:
+                    pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
+    finally:
+        writer.close()
+    if result is None:
+        log.info("nothing to do: the checkpoint is at step %d of %d", pos.step, job.total_steps)
+        return {"step": pos.step}
+    return {
+        "step": pos.step,
+        "eval_loss": result.loss,
+        "eval_accuracy": result.accuracy,
+        "eval_num_samples": result.num_samples,
+    }
 
 
 @distributed.record

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Start this node's share of a multi-node job: run the same command on every node.
+#
+#   MASTER_ADDR=10.1.0.5 NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 scripts/launch_multinode.sh --train.epochs=10
+#
+# Required: MASTER_ADDR (address of node 0, which hosts the rendezvous), NNODES, NODE_RANK.
+# Optional: MASTER_PORT (29500), NPROC_PER_NODE (auto: one per GPU, else one per CPU core),
+#   JOB_ID (ddp-job; the same on all nodes of one job, distinct per job), MAX_RESTARTS (3),
+#   RDZV_JOIN_TIMEOUT (600 s to wait for all nodes), SOCKET_IFNAME (network interface for gloo
+#   and NCCL, e.g. eth0), PYTHON (.venv/bin/python when present, else python3).
+# Debug knobs passed through when set: NCCL_DEBUG, TORCH_DISTRIBUTED_DEBUG, NCCL_IB_DISABLE,
+#   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME.
+# Every other argument is a train.py config override (--section.field=value).
+set -euo pipefail
+
+die() { echo "launch_multinode.sh: $*" >&2; exit 2; }
+
+require_int() {  # name value minimum
+  [[ "$2" =~ ^[0-9]+$ ]] || die "$1=$2 is not a non-negative integer"
+  (( $2 >= $3 )) || die "$1=$2 must be >= $3"
+}
+
+[[ -n "${MASTER_ADDR:-}" ]] || die "MASTER_ADDR is not set: give the address of node 0"
+[[ -n "${NNODES:-}" ]] || die "NNODES is not set: give the number of nodes in the job"
+[[ -n "${NODE_RANK:-}" ]] || die "NODE_RANK is not set: give this node's index, 0 to NNODES-1"
+MASTER_PORT=${MASTER_PORT:-29500}
+NPROC_PER_NODE=${NPROC_PER_NODE:-auto}
+JOB_ID=${JOB_ID:-ddp-job}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+RDZV_JOIN_TIMEOUT=${RDZV_JOIN_TIMEOUT:-600}
+
+require_int NNODES "$NNODES" 1
+require_int NODE_RANK "$NODE_RANK" 0
+(( NODE_RANK < NNODES )) || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
+require_int MASTER_PORT "$MASTER_PORT" 1
+(( MASTER_PORT <= 65535 )) || die "MASTER_PORT=$MASTER_PORT is not a TCP port"
+[[ "$NPROC_PER_NODE" == auto ]] || require_int NPROC_PER_NODE "$NPROC_PER_NODE" 1
+require_int MAX_RESTARTS "$MAX_RESTARTS" 0
+require_int RDZV_JOIN_TIMEOUT "$RDZV_JOIN_TIMEOUT" 1
+
+if [[ -n "${SOCKET_IFNAME:-}" ]]; then
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME}
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}
+fi
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+
+is_host=false
+(( NODE_RANK == 0 )) && is_host=true  # node 0 hosts the c10d rendezvous store
+
+cmd=("$PYTHON" -m torch.distributed.run
+  --nnodes="$NNODES"
+  --nproc-per-node="$NPROC_PER_NODE"
+  --rdzv-backend=c10d
+  --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+  --rdzv-id="$JOB_ID"
+  --rdzv-conf="join_timeout=$RDZV_JOIN_TIMEOUT,is_host=$is_host"
+  --max-restarts="$MAX_RESTARTS"
+  train.py "$@")
+
+for knob in NCCL_DEBUG TORCH_DISTRIBUTED_DEBUG NCCL_IB_DISABLE NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
+  [[ -n "${!knob:-}" ]] && echo "launch_multinode.sh: $knob=${!knob}"
+done
+echo "launch_multinode.sh: node $NODE_RANK of $NNODES: ${cmd[*]}"
+exec "${cmd[@]}"

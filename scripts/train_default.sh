@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (idempotent) and train the default job: MiniResNet on Fashion-MNIST with one process
+# per GPU, or per CPU core without GPUs. Arguments are config overrides.
+#   scripts/train_default.sh [--section.field=value ...]
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+exec bash scripts/train_single_node.sh "$@"

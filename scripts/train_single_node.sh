@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Train on every GPU of this machine (or every CPU core without GPUs) with torchrun.
+#   scripts/train_single_node.sh [--section.field=value ...]
+# NPROC_PER_NODE overrides the process count (default: auto).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="${NPROC_PER_NODE:-auto}"
+  train.py "$@")
+echo "train_single_node.sh: ${cmd[*]}"
+exec "${cmd[@]}"

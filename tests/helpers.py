@@ -1,0 +1,60 @@
+"""Multi-process test harness: N spawned workers joined in a gloo group through a file store."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distributed import DistInfo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, store: str, out: str, args: tuple[Any, ...]
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        info = DistInfo(
+            rank=rank,
+            local_rank=rank,
+            world_size=world_size,
+            device=torch.device("cpu"),
+            backend="gloo",
+        )
+        torch.save(fn(info, *args), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
+    """Run `fn(info, *args)` on `world_size` ranks; return each rank's result, rank order.
+
+    World size 1 runs in this process without a process group, as `python train.py` does.
+    """
+    if world_size == 1:
+        return [fn(DistInfo(0, 0, 1, torch.device("cpu")), *args)]
+    tag = uuid.uuid4().hex
+    store, out = str(tmp_path / f"store-{tag}"), str(tmp_path / f"result-{tag}")
+    mp.start_processes(
+        _entry, args=(fn, world_size, store, out, args), nprocs=world_size, start_method="spawn"
+    )
+    results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world_size)]
+    for rank in range(world_size):
+        os.unlink(f"{out}.{rank}")
+    return results

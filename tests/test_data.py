@@ -1,0 +1,245 @@
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import needs_fashion_mnist
+from PIL import Image
+from torchvision import datasets
+
+import data
+from config import DataConfig
+from distributed import DistInfo
+
+CPU = torch.device("cpu")
+
+
+def info(rank: int = 0, world_size: int = 1) -> DistInfo:
+    return DistInfo(rank, rank, world_size, CPU)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_train_shards_are_disjoint_equal_and_cover_all_but_the_remainder(world_size) -> None:
+    dataset = data.make_synthetic(1001, (1, 8, 8), 10, seed=0)
+    shards = []
+    for rank in range(world_size):
+        sampler = data.EpochSampler(dataset, info(rank, world_size), seed=3)
+        sampler.set_epoch(5)
+        shards.append([index for epoch, index in sampler])
+        assert all(epoch == 5 for epoch, _ in sampler)
+    seen = [i for shard in shards for i in shard]
+    assert len({len(s) for s in shards}) == 1  # equal lengths: no rank waits in a collective
+    assert len(seen) == len(set(seen)) == 1001 - 1001 % world_size
+    assert set(seen) <= set(range(1001))
+
+
+def test_epochs_reshuffle_and_skip_resumes_the_same_order() -> None:
+    dataset = data.make_synthetic(64, (1, 8, 8), 10, seed=0)
+    sampler = data.EpochSampler(dataset, info(1, 2), seed=0)
+    sampler.set_epoch(0)
+    epoch0 = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != epoch0
+    sampler.set_epoch(0, skip=10)
+    assert list(sampler) == epoch0[10:] and len(sampler) == len(epoch0) - 10
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_eval_shards_cover_every_sample_exactly_once(world_size) -> None:
+    shards = [list(data.ShardSampler(1001, info(r, world_size))) for r in range(world_size)]
+    seen = sorted(i for shard in shards for i in shard)
+    assert seen == list(range(1001))
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_index() -> None:
+    base = data.make_synthetic(32, (1, 28, 28), 10, seed=0)
+    aug = data.Augmented(base, seed=1, padding=2, enabled=True)
+    again = data.Augmented(base, seed=1, padding=2, enabled=True)
+    assert torch.equal(aug[(3, 7)][0], again[(3, 7)][0])
+    outputs = {aug[(epoch, 7)][0].numpy().tobytes() for epoch in range(20)}
+    assert len(outputs) > 5  # crops and flips vary across epochs
+    image, label = aug[(0, 7)]
+    assert image.shape == (1, 28, 28) and image.dtype == torch.uint8 and label == base[7][1]
+
+
+def test_crop_is_a_shifted_window_of_the_padded_image() -> None:
+    base = data.make_synthetic(4, (1, 12, 12), 10, seed=0)
+    image = base[2][0]
+    padded = torch.nn.functional.pad(image, (2, 2, 2, 2))
+    windows = {
+        padded[:, t : t + 12, s : s + 12].numpy().tobytes() for t in range(5) for s in range(5)
+    }
+    windows |= {
+        padded[:, t : t + 12, s : s + 12].flip(-1).numpy().tobytes()
+        for t in range(5)
+        for s in range(5)
+    }
+    aug = data.Augmented(base, seed=0, padding=2, enabled=True)
+    for epoch in range(10):
+        assert aug[(epoch, 2)][0].numpy().tobytes() in windows
+
+
+def test_two_ranks_see_the_same_samples_as_one_rank_with_twice_the_batch() -> None:
+    splits = data.DataSplits(
+        data.make_synthetic(256, (1, 8, 8), 10, seed=0),
+        data.make_synthetic(8, (1, 8, 8), 10, seed=1),
+        1,
+        10,
+        (0.5,),
+        (0.25,),
+    )
+    cfg = DataConfig(batch_size=8, num_workers=0)
+    one = data.build_train_loader(splits, DataConfig(batch_size=16, num_workers=0), info(), 0)
+    data.set_epoch(one, 2)
+    images_one, labels_one = next(iter(one))
+    parts = []
+    for rank in range(2):
+        loader = data.build_train_loader(splits, cfg, info(rank, 2), 0)
+        data.set_epoch(loader, 2)
+        parts.append(next(iter(loader)))
+    key = lambda imgs, lbls: sorted(  # noqa: E731
+        (img.numpy().tobytes(), int(lbl)) for img, lbl in zip(imgs, lbls, strict=True)
+    )
+    merged_images = torch.cat([p[0] for p in parts])
+    merged_labels = torch.cat([p[1] for p in parts])
+    assert key(merged_images, merged_labels) == key(images_one, labels_one)
+
+
+def test_loader_with_workers_matches_loader_without(tmp_path) -> None:
+    splits = data.DataSplits(
+        data.make_synthetic(128, (1, 8, 8), 10, seed=0),
+        data.make_synthetic(8, (1, 8, 8), 10, seed=1),
+        1,
+        10,
+        (0.5,),
+        (0.25,),
+    )
+    batches = []
+    for workers in (0, 2):
+        loader = data.build_train_loader(
+            splits, DataConfig(batch_size=16, num_workers=workers), info(), 0
+        )
+        data.set_epoch(loader, 1)
+        batches.append([b[0] for b in loader])
+    assert all(torch.equal(a, b) for a, b in zip(*batches, strict=True))
+
+
+def test_subset_takes_the_first_n_of_a_seeded_shuffle() -> None:
+    cfg = DataConfig(dataset="synthetic", synthetic_train_size=100, subset=10)
+    a = data.build_datasets(cfg, seed=4, info=info())
+    b = data.build_datasets(cfg, seed=4, info=info())
+    c = data.build_datasets(cfg, seed=5, info=info())
+    assert len(a.train) == 10
+    assert a.train.indices == b.train.indices != c.train.indices
+    expected = torch.randperm(100, generator=torch.Generator().manual_seed(4))[:10].tolist()
+    assert a.train.indices == expected
+
+
+def test_subset_larger_than_dataset_is_rejected() -> None:
+    cfg = DataConfig(dataset="synthetic", synthetic_train_size=100, subset=101)
+    with pytest.raises(ValueError, match="data.subset=101 exceeds the 100"):
+        data.build_datasets(cfg, seed=0, info=info())
+
+
+def test_synthetic_is_deterministic_and_shaped() -> None:
+    cfg = DataConfig(dataset="synthetic", synthetic_shape=(3, 32, 32), synthetic_num_classes=4)
+    a = data.build_datasets(cfg, seed=0, info=info())
+    b = data.build_datasets(cfg, seed=1, info=info())
+    assert torch.equal(a.train.images, b.train.images)  # independent of the training seed
+    assert a.train.images.shape[1:] == (3, 32, 32) and a.num_classes == 4
+    assert set(a.train.labels.tolist()) == {0, 1, 2, 3}
+
+
+def test_missing_fashion_mnist_without_download_names_path_and_fix(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "absent")
+    cfg = DataConfig(root=str(tmp_path / "data"), download=False)
+    with pytest.raises(data.DatasetNotFoundError) as err:
+        data.build_datasets(cfg, seed=0, info=info())
+    message = str(err.value)
+    assert str(tmp_path / "data") in message and "dataset-fashion-mnist" in message
+    assert "--data.download=true" in message
+
+
+@needs_fashion_mnist
+def test_fashion_mnist_from_debian_package(tmp_path) -> None:
+    cfg = DataConfig(root=str(tmp_path), download=False)
+    splits = data.build_datasets(cfg, seed=0, info=info())
+    assert len(splits.train) == 60000 and len(splits.eval) == 10000
+    assert splits.train.images.shape[1:] == (1, 28, 28)
+    assert sorted(set(splits.eval.labels.tolist())) == list(range(10))
+    assert not list((tmp_path / "FashionMNIST" / "raw").glob(".*tmp"))
+
+
+def _write_cifar_batch(path: Path, images: np.ndarray, labels: list[int]) -> None:
+    # CIFAR-10's python format: a pickled dict, images as N x 3072 uint8 rows in CHW order.
+    with path.open("wb") as f:
+        pickle.dump(
+            {
+                "data": images.reshape(len(images), -1),
+                "labels": labels,
+                "batch_label": "x",
+                "filenames": ["f"] * len(images),
+            },
+            f,
+            protocol=2,
+        )
+
+
+def test_cifar10_reads_the_real_file_format(tmp_path, monkeypatch) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(5, 6, 3, 32, 32), dtype=np.uint8)
+    for i in range(5):
+        _write_cifar_batch(folder / f"data_batch_{i + 1}", images[i], [i, 1, 2, 3, 4, 5])
+    _write_cifar_batch(folder / "test_batch", images[0], [9, 8, 7, 6, 5, 4])
+    with (folder / "batches.meta").open("wb") as f:
+        pickle.dump({"label_names": [f"c{i}" for i in range(10)]}, f)
+    # torchvision checks the official files' MD5s; these stand-ins only need to exist.
+    monkeypatch.setattr(datasets.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(datasets.cifar, "check_integrity", lambda path, md5=None: True)
+    splits = data.build_datasets(
+        DataConfig(dataset="cifar10", root=str(tmp_path), download=False), seed=0, info=info()
+    )
+    assert len(splits.train) == 30 and len(splits.eval) == 6 and splits.in_channels == 3
+    image, label = splits.train[6]
+    assert torch.equal(image, torch.from_numpy(images[1, 0])) and label == 1
+    assert splits.eval[0][1] == 9
+
+
+def test_cifar10_missing_names_the_folder(tmp_path) -> None:
+    cfg = DataConfig(dataset="cifar10", root=str(tmp_path), download=False)
+    with pytest.raises(data.DatasetNotFoundError, match="cifar-10-batches-py"):
+        data.build_datasets(cfg, seed=0, info=info())
+
+
+def test_imagefolder_resizes_and_keeps_classes(tmp_path) -> None:
+    for split, count in (("train", 3), ("val", 2)):
+        for cls in ("cat", "dog"):
+            folder = tmp_path / split / cls
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (40 + i, 30), color=(i * 40, 100, 200)).save(folder / f"{i}.jpg")
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path), image_size=16)
+    splits = data.build_datasets(cfg, seed=0, info=info())
+    assert len(splits.train) == 6 and len(splits.eval) == 4 and splits.num_classes == 2
+    image, label = splits.eval[3]
+    assert image.shape == (3, 16, 16) and image.dtype == torch.uint8 and label == 1
+
+
+def test_imagefolder_without_val_split_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    with pytest.raises(data.DatasetNotFoundError, match="val"):
+        data.build_datasets(DataConfig(dataset="imagefolder", root=str(tmp_path)), 0, info())
+
+
+def test_preprocess_normalises_on_device() -> None:
+    splits = data.DataSplits(None, None, 1, 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    images, labels = data.Preprocess(splits, CPU, channels_last=False)(
+        torch.tensor([[[[0, 255]]]], dtype=torch.uint8), torch.tensor([3])
+    )
+    torch.testing.assert_close(images, torch.tensor([[[[-2.0, 2.0]]]]))
+    assert labels.tolist() == [3]

@@ -1,0 +1,194 @@
+"""DDP math against independent single-process references (gloo, spawned ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_ranks
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import data
+import distributed
+import engine
+from config import DataConfig, OptimConfig
+from distributed import DistInfo
+from model import MiniResNet
+
+WIDTHS = (8, 16)
+LR = 0.05
+
+
+def problem(num_samples: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(123)
+    return torch.randn(num_samples, 1, 28, 28, generator=gen), torch.randint(
+        0, 10, (num_samples,), generator=gen
+    )
+
+
+def fresh_model(norm: str = "group") -> nn.Module:
+    torch.manual_seed(0)
+    return MiniResNet(in_channels=1, num_classes=10, widths=WIDTHS, norm=norm)
+
+
+def reference_training(global_batch: int, steps: int) -> dict[str, torch.Tensor]:
+    """Hand-written single-process SGD on whole global batches: the independent reference."""
+    x, y = problem()
+    model = fresh_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(steps):
+        batch = slice(step * global_batch, (step + 1) * global_batch)
+        loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def pipeline_training(
+    info: DistInfo, per_rank_batch: int, accum: int, steps: int
+) -> dict[str, torch.Tensor]:
+    """The pipeline's DDP step: this rank's micro-batches of each global batch."""
+    x, y = problem()
+    model = distributed.wrap_model(fresh_model(), info)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    scaler = engine.make_scaler(info.device, None)
+    global_batch = per_rank_batch * accum * info.world_size
+    for step in range(steps):
+        micro = []
+        for i in range(accum):
+            start = step * global_batch + (info.rank * accum + i) * per_rank_batch
+            micro.append((x[start : start + per_rank_batch], y[start : start + per_rank_batch]))
+        engine.train_step(model, micro, optimizer, scaler, nn.CrossEntropyLoss(), None, 0.0)
+    return distributed.unwrap_model(model).state_dict()
+
+
+def assert_states_close(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_two_ranks_of_b_equal_one_rank_of_2b(tmp_path) -> None:
+    expected = reference_training(global_batch=16, steps=4)
+    results = run_ranks(pipeline_training, 2, tmp_path, 8, 1, 4)
+    for state in results:
+        assert_states_close(state, expected)
+
+
+def test_three_ranks_with_accumulation_equal_one_big_batch(tmp_path) -> None:
+    expected = reference_training(global_batch=24, steps=3)
+    results = run_ranks(pipeline_training, 3, tmp_path, 4, 2, 3)
+    for state in results:
+        assert_states_close(state, expected)
+
+
+def test_accumulation_of_2_by_b_equals_one_step_of_2b() -> None:
+    expected = reference_training(global_batch=16, steps=4)
+    state = pipeline_training(DistInfo(0, 0, 1, torch.device("cpu")), 8, 2, 4)
+    assert_states_close(state, expected)
+
+
+def _identical_after_steps(info: DistInfo) -> list[bool]:
+    x, y = problem()
+    model = distributed.wrap_model(fresh_model(norm="batch"), info)
+    optimizer = engine.build_optimizer(model, OptimConfig())
+    scaler = engine.make_scaler(info.device, None)
+    for step in range(5):
+        rows = slice((step * 2 + info.rank) * 8, (step * 2 + info.rank + 1) * 8)
+        engine.train_step(
+            model, [(x[rows], y[rows])], optimizer, scaler, nn.CrossEntropyLoss(), None, 1.0
+        )
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(info.world_size)]
+    dist.all_gather(gathered, flat)
+    return [torch.equal(g, gathered[0]) for g in gathered]
+
+
+def test_parameters_bit_identical_on_every_rank(tmp_path) -> None:
+    for flags in run_ranks(_identical_after_steps, 3, tmp_path):
+        assert all(flags)
+
+
+def _count_allreduces(info: DistInfo, accum: int, steps: int) -> int:
+    x, y = problem()
+    model = distributed.wrap_model(fresh_model(), info)
+    calls = {"n": 0}
+
+    def counting_hook(state, bucket):  # noqa: ANN001
+        calls["n"] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = engine.make_scaler(info.device, None)
+    for step in range(steps):
+        rows = [slice((step * accum + i) * 4, (step * accum + i + 1) * 4) for i in range(accum)]
+        micro = [(x[r], y[r]) for r in rows]
+        engine.train_step(model, micro, optimizer, scaler, nn.CrossEntropyLoss(), None, 0.0)
+    return calls["n"]
+
+
+def test_one_gradient_allreduce_per_optimizer_step_with_accumulation(tmp_path) -> None:
+    # The model fits in one 25 MB DDP bucket, so one all-reduce = one hook call.
+    assert sum(p.numel() for p in fresh_model().parameters()) * 4 < 25 * 2**20
+    without, with_accum = (run_ranks(_count_allreduces, 2, tmp_path, accum, 3) for accum in (1, 4))
+    assert without == [3, 3]
+    assert with_accum == [3, 3]
+
+
+def _evaluate(info: DistInfo, state: dict) -> engine.EvalResult:
+    dataset = data.make_synthetic(1001, (1, 28, 28), 10, seed=7)
+    splits = data.DataSplits(dataset, dataset, 1, 10, (0.5,), (0.25,))
+    loader = data.build_eval_loader(splits, DataConfig(eval_batch_size=64, num_workers=0), info, 0)
+    preprocess = data.Preprocess(splits, info.device, channels_last=False)
+    model = fresh_model(norm="batch")
+    model.load_state_dict(state)
+    return engine.evaluate(
+        distributed.wrap_model(model, info),
+        (preprocess(x, y) for x, y in loader),
+        info.device,
+        None,
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_exact_evaluation_for_any_world_size(tmp_path, world_size) -> None:
+    model = fresh_model(norm="batch")
+    for p in model.parameters():  # a non-trivial model: random norms and biases too
+        p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    state = model.state_dict()
+    # Independent reference: the whole set in one forward pass, no loaders, no sharding.
+    dataset = data.make_synthetic(1001, (1, 28, 28), 10, seed=7)
+    x = (dataset.images.float() / 255 - 0.5) / 0.25
+    with torch.no_grad():
+        logits = model.eval()(x)
+    ref_loss = nn.functional.cross_entropy(logits, dataset.labels).item()
+    ref_acc = (logits.argmax(1) == dataset.labels).float().mean().item()
+    assert 0.0 < ref_acc < 1.0
+    for result in run_ranks(_evaluate, world_size, tmp_path, state):
+        assert result.num_samples == 1001
+        assert result.accuracy == pytest.approx(ref_acc, abs=1e-12)
+        assert result.loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def _buffers_after_average(info: DistInfo) -> list[torch.Tensor]:
+    model = fresh_model(norm="batch")
+    model.train()
+    model(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(info.rank)))
+    distributed.average_buffers(model)
+    return [b.clone() for b in model.buffers()]
+
+
+def test_batchnorm_statistics_are_averaged_across_ranks(tmp_path) -> None:
+    results = run_ranks(_buffers_after_average, 2, tmp_path)
+    expected = []
+    for rank in range(2):
+        model = fresh_model(norm="batch").train()
+        model(torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(rank)))
+        expected.append([b.clone() for b in model.buffers()])
+    for got0, got1, a, b in zip(results[0], results[1], expected[0], expected[1], strict=True):
+        assert torch.equal(got0, got1)
+        if got0.is_floating_point():
+            torch.testing.assert_close(got0, (a + b) / 2)

@@ -1,0 +1,183 @@
+"""The real entry points as subprocesses: torchrun train.py, resume, failures, the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import needs_fashion_mnist
+from helpers import REPO
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SMALL = [
+    "--model.widths=8,16,32",
+    "--data.num_workers=1",
+    "--log.every_steps=10",
+    "--data.eval_batch_size=1000",
+    "--dist.timeout_s=60",
+]
+
+
+def run(cmd: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-8000:])
+    return proc
+
+
+def rows(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
+
+
+@pytest.mark.slow
+@needs_fashion_mnist
+def test_torchrun_two_ranks_learns_fashion_mnist_and_resumes(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    common = [
+        f"--run.dir={run_dir}",
+        f"--data.root={tmp_path / 'data'}",
+        "--data.download=false",
+        "--data.subset=6144",
+        "--data.batch_size=64",
+        "--optim.warmup_steps=10",
+        *SMALL,
+    ]
+    first = run(
+        torchrun(2, *common, "--train.epochs=2", "--train.max_steps=60", "--ckpt.every_steps=25")
+    )
+    assert first.returncode == 0
+    train_rows, eval_rows = rows(run_dir, "train"), rows(run_dir, "eval")
+    assert train_rows[-1]["step"] == 60 and train_rows[0]["loss"] > train_rows[-1]["loss"]
+    assert set(train_rows[0]) >= {"kind", "step", "epoch", "loss", "lr", "samples_per_s"}
+    assert eval_rows[-1]["num_samples"] == 10000  # the whole test set, counted once
+    assert eval_rows[-1]["accuracy"] > 0.5  # chance is 0.1
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["data"]["subset"] == 6144 and saved["model"]["widths"] == [8, 16, 32]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    steps = sorted(int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    assert steps[-1] == 60 and 50 in steps  # the mid-epoch save and the final one
+    state = torch.load(run_dir / "checkpoints" / "step_60.pt", weights_only=True)
+    assert state["step"] == 60 and not any(k.startswith("module.") for k in state["model"])
+
+    second = run(
+        torchrun(2, *common, "--train.epochs=2", "--train.max_steps=80", "--ckpt.resume=auto")
+    )
+    assert second.returncode == 0
+    assert "resumed from" in second.stderr and "step_60.pt" in second.stderr
+    new_rows = rows(run_dir, "train")[len(train_rows) :]
+    assert new_rows and min(r["step"] for r in new_rows) > 60 and new_rows[-1]["step"] == 80
+
+
+@pytest.mark.slow
+def test_single_process_python_train_py_on_synthetic(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run(
+        [
+            sys.executable,
+            "train.py",
+            f"--run.dir={run_dir}",
+            "--data.dataset=synthetic",
+            "--data.synthetic_train_size=2048",
+            "--data.batch_size=64",
+            "--train.epochs=2",
+            "--optim.warmup_steps=5",
+            "--data.num_workers=0",
+            "--log.tensorboard=false",
+            *SMALL[:1],
+            "--log.every_steps=8",
+        ]
+    )
+    assert proc.returncode == 0
+    train_rows, eval_rows = rows(run_dir, "train"), rows(run_dir, "eval")
+    assert [r["epoch"] for r in eval_rows] == [0, 1]
+    assert eval_rows[-1]["num_samples"] == 2048 and eval_rows[-1]["accuracy"] > 0.5
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    assert "world size 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_rank_failure_stops_the_job_with_the_root_cause(tmp_path) -> None:
+    proc = run(
+        torchrun(
+            2,
+            f"--run.dir={tmp_path / 'run'}",
+            "--data.dataset=imagefolder",
+            f"--data.root={tmp_path / 'nothing'}",
+            "--dist.timeout_s=30",
+        ),
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "nothing/train" in proc.stderr and "does not exist" in proc.stderr
+
+
+@pytest.mark.slow
+def test_launch_multinode_script_single_node(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "NNODES": "1",
+        "NODE_RANK": "0",
+        "NPROC_PER_NODE": "2",
+        "MAX_RESTARTS": "0",
+    }
+    proc = run(
+        [
+            "bash",
+            "scripts/launch_multinode.sh",
+            f"--run.dir={run_dir}",
+            "--data.dataset=synthetic",
+            "--data.synthetic_train_size=512",
+            "--data.batch_size=64",
+            "--train.max_steps=3",
+            *SMALL,
+        ],
+        **env,
+    )
+    assert proc.returncode == 0
+    assert "torchrun" in proc.stdout and "--nnodes=1" in proc.stdout
+    assert rows(run_dir, "eval")[-1]["num_samples"] == 2048
+
+
+def test_launch_multinode_script_validates_its_environment() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NNODES")}
+    proc = subprocess.run(
+        ["bash", "scripts/launch_multinode.sh"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode != 0 and "MASTER_ADDR" in proc.stderr
+    env.update(MASTER_ADDR="10.0.0.1", NNODES="2", NODE_RANK="5", NPROC_PER_NODE="2")
+    proc = subprocess.run(
+        ["bash", "scripts/launch_multinode.sh"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode != 0 and "NODE_RANK=5" in proc.stderr
