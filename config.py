@@ -157,7 +157,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     widths: tuple[int, ...] = field(
-        default=(32, 64, 128),
+        default=(16, 32, 64),
         metadata=doc(
             "channels of each residual stage; each stage after the first halves the resolution"
         ),
@@ -204,7 +204,7 @@ class OptimConfig:
         default="sgd", metadata=doc("optimizer: sgd (momentum, Nesterov) or adamw")
     )
     lr: float = field(
-        default=0.1,
+        default=0.2,
         metadata=doc(
             "peak learning rate, reached after warmup; tuned for the default global batch of 256, "
             "scale it linearly when you change the global batch"
@@ -276,7 +276,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = field(default=4, metadata=doc("passes over the training set"))
+    epochs: int = field(default=10, metadata=doc("passes over the training set"))
     max_steps: int = field(
         default=0, metadata=doc("stop after this many optimizer steps in total; 0 = no limit")
     )

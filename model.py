@@ -63,7 +63,7 @@ class MiniResNet(nn.Module):
         *,
         in_channels: int,
         num_classes: int,
-        widths: Sequence[int] = (32, 64, 128),
+        widths: Sequence[int] = (16, 32, 64),
         blocks_per_stage: int = 1,
         norm: Norm = "batch",
     ) -> None:

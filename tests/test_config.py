@@ -134,7 +134,7 @@ def test_help_lists_every_field_with_default() -> None:
     text = config.format_help()
     for key in config.field_types():
         assert f"--{key} (default:" in text
-    assert "--model.widths (default: 32,64,128)" in text
+    assert "--model.widths (default: 16,32,64)" in text
 
 
 def test_train_py_rejects_bad_config_before_any_process_group(tmp_path) -> None:
