@@ -82,20 +82,46 @@ def save(
     path = directory / f"step_{step}.pt"
     atomic_write_bytes(path, lambda f: torch.save(state, f))
     best = read_best(directory)
+    if best is not None and best["step"] > step:  # left by an abandoned later run: stale
+        best = None
     if accuracy is not None and (best is None or accuracy > best["accuracy"]):
         best = {"step": step, "accuracy": accuracy}
         payload = json.dumps(best).encode()
         atomic_write_bytes(directory / BEST_FILE, lambda f: f.write(payload))
-    _prune(directory, keep, best["step"] if best else None)
+    _prune(directory, keep, step, best["step"] if best else None)
     log.info("saved checkpoint %s", path)
     return path
 
 
-def _prune(directory: Path, keep: int, best_step: int | None) -> None:
-    checkpoints = list_checkpoints(directory)
-    for step, path in checkpoints[:-keep]:
-        if step != best_step:
+def _prune(directory: Path, keep: int, saved_step: int, best_step: int | None) -> None:
+    """Delete all but the newest `keep` checkpoints up to `saved_step`, and the best one.
+
+    Checkpoints of later steps (unloadable ones that a resume skipped) are left alone; the one
+    just written is always kept.
+    """
+    older = [(step, path) for step, path in list_checkpoints(directory) if step <= saved_step]
+    for step, path in older[:-keep]:
+        if step not in (best_step, saved_step):
             path.unlink(missing_ok=True)
+
+
+def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) -> None:
+    """Refuse to start at `start_step` in a run dir holding checkpoints of later steps.
+
+    They belong to another run (or a later point of this one): continuing would interleave two
+    histories and retention would delete one of them. With `resume=auto` the later ones are
+    the unloadable checkpoints it skipped, which are kept and overwritten as the run reaches them.
+    """
+    if resume == "auto":
+        return
+    directory = checkpoint_dir(run_dir)
+    later = [step for step, _ in list_checkpoints(directory) if step > start_step]
+    if later:
+        raise CheckpointError(
+            f"{directory} already holds checkpoints of steps {later}, later than step "
+            f"{start_step} where this run (ckpt.resume={resume}) starts; they belong to another "
+            "run: use a new --run.dir or move them away"
+        )
 
 
 def load(path: str | Path, device: torch.device) -> dict[str, Any]:

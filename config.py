@@ -14,12 +14,11 @@ import hashlib
 import json
 import math
 import sys
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 
 class ConfigError(ValueError):

@@ -121,29 +121,36 @@ def _prepare_fashion_mnist(root: Path) -> None:
     log.info("unpacked Fashion-MNIST from %s into %s", DEBIAN_FASHION_MNIST, raw)
 
 
-def _missing(name: str, path: Path, how: str) -> DatasetNotFoundError:
-    return DatasetNotFoundError(f"{name} not found under {path} and --data.download=false: {how}")
+def _torchvision_splits(
+    cls: type, name: str, cfg: DataConfig, folder: Path, offline_hint: str
+) -> tuple[Any, Any]:
+    """Train and test sets of a torchvision dataset class, or one error saying how to get it."""
+    root = Path(cfg.root)
+    try:
+        return (
+            cls(str(root), train=True, download=cfg.download),
+            cls(str(root), train=False, download=cfg.download),
+        )
+    except (RuntimeError, OSError) as err:  # not found / corrupt, or a failed download
+        if cfg.download:
+            raise DatasetNotFoundError(
+                f"{name} could not be downloaded into {root}: {err}. {offline_hint}"
+            ) from err
+        raise DatasetNotFoundError(
+            f"{name} not found under {folder} and --data.download=false ({err}). "
+            f"{offline_hint}, or pass --data.download=true"
+        ) from None
 
 
 def _fashion_mnist(cfg: DataConfig) -> DataSplits:
-    root = Path(cfg.root)
-    _prepare_fashion_mnist(root)
-    try:
-        train = datasets.FashionMNIST(str(root), train=True, download=cfg.download)
-        test = datasets.FashionMNIST(str(root), train=False, download=cfg.download)
-    except RuntimeError as err:
-        if cfg.download:
-            raise DatasetNotFoundError(
-                f"Fashion-MNIST could not be downloaded into {root}: {err}. "
-                "Install it offline with `apt-get install "
-                "dataset-fashion-mnist`."
-            ) from err
-        raise _missing(
-            "Fashion-MNIST",
-            root / "FashionMNIST" / "raw",
-            f"install Debian's package dataset-fashion-mnist (files in "
-            f"{DEBIAN_FASHION_MNIST}) or pass --data.download=true",
-        ) from None
+    _prepare_fashion_mnist(Path(cfg.root))
+    train, test = _torchvision_splits(
+        datasets.FashionMNIST,
+        "Fashion-MNIST",
+        cfg,
+        Path(cfg.root) / "FashionMNIST" / "raw",
+        f"Install Debian's package dataset-fashion-mnist (files in {DEBIAN_FASHION_MNIST})",
+    )
     mean, std = STATS["fashion_mnist"]
     return DataSplits(
         ImageTensors(train.data.unsqueeze(1), train.targets),
@@ -156,17 +163,14 @@ def _fashion_mnist(cfg: DataConfig) -> DataSplits:
 
 
 def _cifar10(cfg: DataConfig) -> DataSplits:
-    root = Path(cfg.root)
-    try:
-        train = datasets.CIFAR10(str(root), train=True, download=cfg.download)
-        test = datasets.CIFAR10(str(root), train=False, download=cfg.download)
-    except RuntimeError as err:
-        raise _missing(
-            "CIFAR-10",
-            root / "cifar-10-batches-py",
-            f"{err} Pass --data.download=true on a machine with internet access, or copy "
-            "the extracted cifar-10-batches-py folder there",
-        ) from None
+    folder = Path(cfg.root) / "cifar-10-batches-py"
+    train, test = _torchvision_splits(
+        datasets.CIFAR10,
+        "CIFAR-10",
+        cfg,
+        folder,
+        f"Copy the extracted cifar-10-batches-py folder to {folder}",
+    )
 
     def to_tensors(ds: datasets.CIFAR10) -> ImageTensors:
         images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -157,6 +157,17 @@ def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) 
         raise error
     if num_failed:
         raise RuntimeError(f"{what} failed on {num_failed} other rank(s); see their errors")
+
+
+def run_on_main(info: DistInfo, what: str, fn: Callable[[], None]) -> None:
+    """Collective: run `fn` on rank 0 only, then raise on every rank if it failed there."""
+    error: Exception | None = None
+    if info.is_main:
+        try:
+            fn()
+        except Exception as err:  # re-raised on this rank by raise_if_any_failed
+            error = err
+    raise_if_any_failed(info, error, what)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

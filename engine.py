@@ -24,7 +24,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for `--train.amp` on `device`, or None for full precision."""
     if amp == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        # including_emulation=False: pre-Ampere GPUs emulate bf16 slowly; use fp32 there.
+        if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16
         return None
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]

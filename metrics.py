@@ -60,21 +60,25 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+        self.run_dir = run_dir
         self.enabled = enabled
+        self.tensorboard = tensorboard
         self._file = None
         self._tb = None
-        if not enabled:
-            return
-        self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # slow import: only on rank 0
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-
-    def write(self, row: dict[str, Any]) -> None:
+    def open(self) -> None:
+        """Open the sinks (main rank only; a no-op elsewhere)."""
         if not self.enabled:
             return
-        assert self._file is not None
+        self._file = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # slow import: only on rank 0
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()  # a crash must not lose the rows already reported
         if self._tb is not None:

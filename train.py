@@ -92,6 +92,11 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
         norm=cfg.model.norm,
     )
     if cfg.model.norm == "syncbatch" and info.world_size > 1:
+        if info.device.type != "cuda":
+            raise ConfigError(
+                "model.norm=syncbatch needs CUDA devices (SyncBatchNorm runs on "
+                "GPUs only); use model.norm=batch or group on CPU"
+            )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if cfg.model.channels_last else torch.preserve_format
     return model.to(device=info.device, memory_format=memory_format)
@@ -107,7 +112,12 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
             f"an epoch has {len(train_loader)} micro-batches per rank, fewer than "
             f"train.grad_accum_steps={accum}: lower it or data.batch_size"
         )
-    total_steps = cfg.train.epochs * steps_per_epoch
+    resumed = load_resume_state(cfg, info)
+    pos = Position() if resumed is None else resume_position(cfg, info, *resumed, steps_per_epoch)
+    # Steps left = the rest of this epoch + whole epochs after it; counted from `pos` so that a
+    # run resumed with another world size (another steps_per_epoch) still ends after cfg epochs.
+    remaining = (cfg.train.epochs - pos.epoch) * steps_per_epoch - pos.step_in_epoch
+    total_steps = pos.step + max(0, remaining)
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     model = build_model(cfg, splits, info)
@@ -115,8 +125,9 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
     scheduler = engine.build_scheduler(optimizer, cfg.optim, total_steps)
     amp_dtype = engine.resolve_amp(cfg.train.amp, info.device)
     scaler = engine.make_scaler(info.device, amp_dtype)
-    # Restore into the bare model before wrapping: DDP then starts from the loaded weights.
-    pos = restore(cfg, info, model, optimizer, scheduler, scaler, steps_per_epoch)
+    if resumed is not None:
+        # Into the bare model, before wrapping: DDP then starts from the loaded weights.
+        load_states(*resumed, model, optimizer, scheduler, scaler)
     wrapped = distributed.wrap_model(model, info)
     if cfg.train.compile:
         wrapped = torch.compile(wrapped)
@@ -136,37 +147,99 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
     return job, pos
 
 
-def restore(
-    cfg: Config,
-    info: DistInfo,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
-    scaler: torch.amp.GradScaler,
-    steps_per_epoch: int,
+def load_resume_state(cfg: Config, info: DistInfo) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from, loaded on every rank onto its own device.
+
+    Rank 0 chooses and broadcasts the path, so all ranks load the same file even when a
+    shared filesystem shows them different directory listings.
+    """
+    chosen: list[tuple[Path, dict[str, Any]] | None] = []
+
+    def choose() -> None:
+        found = checkpoint.load_for_resume(cfg.ckpt.resume, cfg.run.dir, info.device)
+        checkpoint.refuse_later_checkpoints(
+            cfg.run.dir, found[1]["step"] if found else 0, cfg.ckpt.resume
+        )
+        chosen.append(found)
+
+    distributed.run_on_main(info, "choosing the checkpoint to resume from", choose)
+    path = distributed.broadcast_object(str(chosen[0][0]) if chosen and chosen[0] else None)
+    if path is None:
+        return None
+    state: dict[str, Any] | None = chosen[0][1] if chosen and chosen[0] else None
+    error: Exception | None = None
+    if state is None:  # every rank but 0
+        try:
+            state = checkpoint.load(path, info.device)
+        except checkpoint.CheckpointError as err:  # e.g. this node cannot see rank 0's file
+            error = err
+    distributed.raise_if_any_failed(info, error, f"loading {path}")
+    assert state is not None
+    return Path(path), state
+
+
+REQUIRED_KEYS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "step",
+    "epoch",
+    "step_in_epoch",
+    "world_size",
+    "global_batch_size",
+    "config",
+)
+# Settings whose change alters the math of the resumed run; reported when they differ.
+MATH_SECTIONS = ("data", "model", "optim", "train")
+NON_MATH_KEYS = {
+    "data.root",
+    "data.download",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.eval_batch_size",
+    "train.epochs",
+    "train.max_steps",
+    "train.compile",
+}
+
+
+def resume_position(
+    cfg: Config, info: DistInfo, path: Path, state: dict[str, Any], steps_per_epoch: int
 ) -> Position:
-    """Load the checkpoint `ckpt.resume` selects (on every rank, onto its own device)."""
-    found = checkpoint.load_for_resume(cfg.ckpt.resume, cfg.run.dir, info.device)
-    if found is None:
-        return Position()
-    path, state = found
-    mid_epoch = 0 < state["step_in_epoch"] < steps_per_epoch
-    if mid_epoch and state["global_batch_size"] != global_batch_size(cfg, info.world_size):
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} lacks {', '.join(missing)}: not written by this pipeline"
+        )
+    pos = Position(state["step"], state["epoch"], state["step_in_epoch"])
+    this_batch = global_batch_size(cfg, info.world_size)
+    if pos.step_in_epoch and state["global_batch_size"] != this_batch:
         raise ConfigError(
             f"checkpoint {path} stopped mid-epoch with a global batch of "
             f"{state['global_batch_size']} ({state['world_size']} ranks); this run has "
-            f"{global_batch_size(cfg, info.world_size)} ({info.world_size} ranks). Resume with "
-            "the same world size and batch settings to continue the epoch exactly"
+            f"{this_batch} ({info.world_size} ranks). Resume with the same batch settings to "
+            "finish the epoch exactly, or from an end-of-epoch checkpoint"
         )
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    pos = Position(state["step"], state["epoch"], state["step_in_epoch"])
     if pos.step_in_epoch >= steps_per_epoch:
-        pos = Position(pos.step, pos.epoch + 1, 0)
+        raise ConfigError(
+            f"checkpoint {path} is {pos.step_in_epoch} steps into epoch {pos.epoch}, but an "
+            f"epoch of this run has {steps_per_epoch} steps: the dataset or subset changed"
+        )
+    old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
+    changed = [
+        f"{key} {old.get(key)!r} -> {new[key]!r}"
+        for key in sorted(new)
+        if key.split(".")[0] in MATH_SECTIONS
+        and key not in NON_MATH_KEYS
+        and old.get(key) != new[key]
+    ]
+    if changed:
+        log.warning(
+            "resuming %s with settings that change the training math: %s", path, "; ".join(changed)
+        )
     log.info(
-        "resumed from %s at step %d (epoch %d, step %d of it)",
+        "resuming from %s at step %d (epoch %d, step %d of it)",
         path,
         pos.step,
         pos.epoch,
@@ -175,15 +248,46 @@ def restore(
     return pos
 
 
+def _flatten(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {
+        f"{section}.{name}": list(value) if isinstance(value, tuple) else value
+        for section, fields in sections.items()
+        for name, value in fields.items()
+    }
+
+
+def load_states(
+    path: Path,
+    state: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    scaler: torch.amp.GradScaler,
+) -> None:
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} does not fit this run's model or optimizer (did model.* or "
+            f"optim.name change?): {err}"
+        ) from err
+    if state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
+    elif scaler.is_enabled():
+        log.warning("checkpoint %s has no fp16 GradScaler state: starting a fresh scaler", path)
+
+
 def save_checkpoint(
     cfg: Config, info: DistInfo, job: Job, pos: Position, accuracy: float | None
 ) -> None:
-    """Rank 0 writes; then every rank learns whether it worked (this is also the barrier).
+    """Rank 0 writes; every rank then learns whether that worked (this is also the barrier).
 
     Call after `distributed.average_buffers`, so the saved model is the one every rank holds.
     """
-    error: Exception | None = None
-    if info.is_main:
+
+    def write() -> None:
         state = {
             "model": distributed.unwrap_model(job.model).state_dict(),
             "optimizer": job.optimizer.state_dict(),
@@ -197,15 +301,12 @@ def save_checkpoint(
             "global_batch_size": global_batch_size(cfg, info.world_size),
             "config": cfg.to_dict(),
             "config_hash": cfg.fingerprint(),
-            "torch_version": torch.__version__,
+            "torch_version": str(torch.__version__),  # a plain str: weights_only loads it
         }
-        try:
-            checkpoint.save(
-                state, checkpoint.checkpoint_dir(cfg.run.dir), pos.step, cfg.ckpt.keep, accuracy
-            )
-        except Exception as err:  # re-raised on this rank by raise_if_any_failed
-            error = err
-    distributed.raise_if_any_failed(info, error, f"saving the step {pos.step} checkpoint")
+        directory = checkpoint.checkpoint_dir(cfg.run.dir)
+        checkpoint.save(state, directory, pos.step, cfg.ckpt.keep, accuracy)
+
+    distributed.run_on_main(info, f"saving the step {pos.step} checkpoint", write)
 
 
 def train_epoch(
@@ -303,8 +404,9 @@ def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
 
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
-    if info.is_main:
-        write_config(cfg, run_dir)
+    distributed.run_on_main(
+        info, f"writing {run_dir / 'config.json'}", lambda: write_config(cfg, run_dir)
+    )
     seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
     job, pos = build(cfg, info)
     log.info(
@@ -320,6 +422,7 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
         cfg.fingerprint(),
     )
     writer = MetricsWriter(run_dir, info.is_main, cfg.log.tensorboard)
+    distributed.run_on_main(info, "opening metrics.jsonl and tensorboard", writer.open)
     meter = TrainMeter(info.device, info.world_size)
     result: engine.EvalResult | None = None
     try:
@@ -328,9 +431,9 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
                 train_epoch(cfg, info, job, pos, meter, writer, bar)
                 result = evaluate(info, job)
                 log_eval(writer, result, pos)
-                save_checkpoint(cfg, info, job, pos, result.accuracy)
                 if pos.step_in_epoch == job.steps_per_epoch:
                     pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
+                save_checkpoint(cfg, info, job, pos, result.accuracy)
     finally:
         writer.close()
     if result is None:

@@ -1,0 +1,107 @@
+"""train.py's resume bookkeeping and guards, without launching processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import train
+from config import Config, ConfigError, parse_args
+from distributed import DistInfo
+
+CPU = torch.device("cpu")
+ONE = DistInfo(0, 0, 1, CPU)
+
+
+def saved_state(cfg: Config, **overrides) -> dict:
+    state = {
+        "model": {},
+        "optimizer": {},
+        "scheduler": {},
+        "scaler": {},
+        "step": 30,
+        "epoch": 1,
+        "step_in_epoch": 10,
+        "world_size": 1,
+        "global_batch_size": 128,
+        "config": cfg.to_dict(),
+    }
+    return {**state, **overrides}
+
+
+def test_position_continues_mid_epoch() -> None:
+    cfg = Config()
+    pos = train.resume_position(cfg, ONE, Path("c.pt"), saved_state(cfg), steps_per_epoch=20)
+    assert (pos.step, pos.epoch, pos.step_in_epoch) == (30, 1, 10)
+
+
+def test_mid_epoch_resume_with_another_global_batch_is_refused() -> None:
+    cfg = Config()
+    with pytest.raises(ConfigError, match="c.pt stopped mid-epoch with a global batch of 64"):
+        train.resume_position(cfg, ONE, Path("c.pt"), saved_state(cfg, global_batch_size=64), 20)
+
+
+def test_epoch_boundary_resume_with_another_world_size_is_allowed() -> None:
+    cfg = Config()
+    state = saved_state(cfg, step_in_epoch=0, epoch=2, world_size=4, global_batch_size=512)
+    pos = train.resume_position(cfg, ONE, Path("c.pt"), state, steps_per_epoch=20)
+    assert (pos.epoch, pos.step_in_epoch) == (2, 0)
+
+
+def test_checkpoint_from_elsewhere_is_named() -> None:
+    cfg = Config()
+    state = saved_state(cfg)
+    del state["step_in_epoch"], state["scaler"]
+    with pytest.raises(checkpoint.CheckpointError, match="x.pt lacks scaler, step_in_epoch"):
+        train.resume_position(cfg, ONE, Path("x.pt"), state, 20)
+
+
+def test_changed_math_settings_are_reported(caplog) -> None:
+    old = parse_args(["--optim.lr=0.1", "--model.widths=8,16"])
+    new = parse_args(["--optim.lr=0.05", "--model.widths=8,16", "--data.num_workers=0"])
+    with caplog.at_level("WARNING"):
+        train.resume_position(new, ONE, Path("c.pt"), saved_state(old), 20)
+    assert "optim.lr 0.1 -> 0.05" in caplog.text and "num_workers" not in caplog.text
+
+
+def test_model_mismatch_names_the_checkpoint() -> None:
+    cfg = parse_args(["--model.widths=8,16"])
+    splits = train.data.DataSplits(None, None, 1, 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    model = train.build_model(cfg, splits, ONE)
+    other = train.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
+    optimizer = train.engine.build_optimizer(model, cfg.optim)
+    scheduler = train.engine.build_scheduler(optimizer, cfg.optim, 10)
+    state = saved_state(cfg, model=other.state_dict())
+    with pytest.raises(checkpoint.CheckpointError, match="old.pt does not fit this run's model"):
+        train.load_states(
+            Path("old.pt"), state, model, optimizer, scheduler, train.engine.make_scaler(CPU, None)
+        )
+
+
+def test_syncbatch_on_cpu_ranks_is_refused() -> None:
+    cfg = parse_args(["--model.norm=syncbatch"])
+    splits = train.data.DataSplits(None, None, 1, 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="model.norm=syncbatch needs CUDA"):
+        train.build_model(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
+
+
+def test_fresh_run_in_a_used_run_dir_is_refused(tmp_path) -> None:
+    checkpoint.save({"model": {}, "step": 40}, checkpoint.checkpoint_dir(tmp_path), 40, 2, None)
+    with pytest.raises(checkpoint.CheckpointError, match=r"steps \[40\].*new --run.dir"):
+        checkpoint.refuse_later_checkpoints(tmp_path, 0, "never")
+    checkpoint.refuse_later_checkpoints(tmp_path, 40, "path/to/step_40.pt")  # nothing later
+    checkpoint.refuse_later_checkpoints(tmp_path, 10, "auto")  # later ones were unloadable
+
+
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path) -> None:
+    for step in (10, 20):
+        checkpoint.save({"model": {}, "step": step}, tmp_path, step, keep=1, accuracy=0.9)
+    # An unloadable later checkpoint that resume=auto skipped, and a stale best.json from it.
+    (tmp_path / "step_30.pt").write_bytes(b"")
+    (tmp_path / "best.json").write_text('{"step": 30, "accuracy": 0.99}')
+    checkpoint.save({"model": {}, "step": 25}, tmp_path, 25, keep=1, accuracy=0.5)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [25, 30]
+    assert checkpoint.read_best(tmp_path) == {"step": 25, "accuracy": 0.5}
