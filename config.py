@@ -357,6 +357,17 @@ class DistConfig:
         default=300.0,
         metadata=doc("seconds a collective may wait for the slowest rank before the job fails"),
     )
+    preflight: bool = field(
+        default=True,
+        metadata=doc(
+            "before step 0, check that all ranks run the same versions, device type, dataset "
+            "and config (one all-gather)"
+        ),
+    )
+    preflight_bandwidth: bool = field(
+        default=False,
+        metadata=doc("before step 0, time all-reduces of 1, 16 and 64 MB and log bus bandwidth"),
+    )
 
     def __post_init__(self) -> None:
         _require(

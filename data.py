@@ -9,6 +9,7 @@ number of workers, or where a resumed run restarts, so runs are comparable and r
 from __future__ import annotations
 
 import gzip
+import hashlib
 import logging
 import os
 import random
@@ -268,6 +269,24 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
             splits.std,
         )
     return splits
+
+
+def fingerprint(splits: DataSplits) -> str:
+    """A short, cheap hash of what this rank will train and evaluate on (for preflight)."""
+    digest = hashlib.sha256()
+    for dataset in (splits.train, splits.eval):
+        indices = None
+        if isinstance(dataset, Subset):
+            indices, dataset = dataset.indices, dataset.dataset
+            digest.update(torch.tensor(indices).numpy().tobytes())
+        if isinstance(dataset, ImageTensors):
+            stride = max(1, len(dataset) // 256)  # every stride-th image: fast, yet sensitive
+            digest.update(dataset.labels.numpy().tobytes())
+            digest.update(dataset.images[::stride].contiguous().numpy().tobytes())
+        elif isinstance(dataset, ImageFiles):
+            digest.update(repr(dataset.folder.samples).encode())
+        digest.update(str(len(dataset)).encode())  # type: ignore[arg-type]
+    return digest.hexdigest()[:12]
 
 
 # ---------------------------------------------------------------------------------------------

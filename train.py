@@ -25,6 +25,7 @@ import checkpoint
 import data
 import distributed
 import engine
+import preflight
 from config import Config, ConfigError, global_batch_size, parse_args
 from distributed import DistInfo
 from metrics import MetricsWriter, TrainMeter
@@ -104,6 +105,10 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
 
 def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)
+    if cfg.dist.preflight:
+        preflight.check(info, data.fingerprint(splits), cfg.fingerprint())
+    if cfg.dist.preflight_bandwidth:
+        preflight.bandwidth(info)
     train_loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
     accum = cfg.train.grad_accum_steps
     steps_per_epoch = len(train_loader) // accum

@@ -7,7 +7,10 @@
 # Optional: MASTER_PORT (29500), NPROC_PER_NODE (auto: one per GPU, else one per CPU core),
 #   JOB_ID (ddp-job; the same on all nodes of one job, distinct per job), MAX_RESTARTS (3),
 #   RDZV_JOIN_TIMEOUT (600 s to wait for all nodes), SOCKET_IFNAME (network interface for gloo
-#   and NCCL, e.g. eth0), PYTHON (.venv/bin/python when present, else python3).
+#   and NCCL, e.g. eth0), LOCAL_ADDR (this node's address as the others reach it; default: its
+#   host name, which must resolve everywhere), PYTHON (.venv/bin/python when present, else python3).
+# RDZV_CHECK (1) meets all nodes on RDZV_CHECK_PORT (MASTER_PORT + 1) before torchrun starts,
+#   so failures are explained (scripts/rendezvous_check.py); 0 skips it.
 # Debug knobs passed through when set: NCCL_DEBUG, TORCH_DISTRIBUTED_DEBUG, NCCL_IB_DISABLE,
 #   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME.
 # Every other argument is a train.py config override (--section.field=value).
@@ -37,6 +40,11 @@ require_int MASTER_PORT "$MASTER_PORT" 1
 [[ "$NPROC_PER_NODE" == auto ]] || require_int NPROC_PER_NODE "$NPROC_PER_NODE" 1
 require_int MAX_RESTARTS "$MAX_RESTARTS" 0
 require_int RDZV_JOIN_TIMEOUT "$RDZV_JOIN_TIMEOUT" 1
+RDZV_CHECK=${RDZV_CHECK:-1}
+RDZV_CHECK_PORT=${RDZV_CHECK_PORT:-$(( MASTER_PORT + 1 ))}
+require_int RDZV_CHECK_PORT "$RDZV_CHECK_PORT" 1
+(( RDZV_CHECK_PORT <= 65535 && RDZV_CHECK_PORT != MASTER_PORT )) \
+  || die "RDZV_CHECK_PORT=$RDZV_CHECK_PORT must be a TCP port other than MASTER_PORT"
 
 if [[ -n "${SOCKET_IFNAME:-}" ]]; then
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME}
@@ -58,11 +66,21 @@ cmd=("$PYTHON" -m torch.distributed.run
   --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
   --rdzv-id="$JOB_ID"
   --rdzv-conf="join_timeout=$RDZV_JOIN_TIMEOUT,is_host=$is_host"
-  --max-restarts="$MAX_RESTARTS"
-  train.py "$@")
+  --max-restarts="$MAX_RESTARTS")
+# The address other nodes reach this one at; without it torchrun advertises this host's FQDN,
+# which must then resolve on every node.
+[[ -n "${LOCAL_ADDR:-}" ]] && cmd+=(--local-addr="$LOCAL_ADDR")
+cmd+=(train.py "$@")
 
 for knob in NCCL_DEBUG TORCH_DISTRIBUTED_DEBUG NCCL_IB_DISABLE NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
   [[ -n "${!knob:-}" ]] && echo "launch_multinode.sh: $knob=${!knob}"
 done
+if [[ "$RDZV_CHECK" == 1 ]]; then
+  # Meet all nodes first: a missing node, a wrong MASTER_ADDR or a taken port then fails within
+  # RDZV_JOIN_TIMEOUT with a message naming the endpoint and the missing NODE_RANKs.
+  env MASTER_ADDR="$MASTER_ADDR" RDZV_CHECK_PORT="$RDZV_CHECK_PORT" NNODES="$NNODES" \
+    NODE_RANK="$NODE_RANK" RDZV_JOIN_TIMEOUT="$RDZV_JOIN_TIMEOUT" \
+    "$PYTHON" scripts/rendezvous_check.py
+fi
 echo "launch_multinode.sh: node $NODE_RANK of $NNODES: ${cmd[*]}"
 exec "${cmd[@]}"

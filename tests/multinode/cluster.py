@@ -1,0 +1,98 @@
+"""Test hosts as network namespaces (scripts/netns_cluster.sh) and launching a job across them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "netns_cluster.sh"
+
+
+def address(node: int) -> str:
+    return f"10.77.0.{node + 1}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    prefix: str
+    num_hosts: int
+
+    def command(self, node: int, env: dict[str, str], argv: list[str]) -> list[str]:
+        pairs = [f"{key}={value}" for key, value in env.items()]
+        return ["bash", str(SCRIPT), "exec", str(node), "env", *pairs, *argv]
+
+    def launch(
+        self,
+        nodes: list[int],
+        nproc: int,
+        args: list[str],
+        port: int = 29400,
+        timeout: float = 240,
+        **overrides: str,
+    ) -> list[subprocess.CompletedProcess]:
+        """Run scripts/launch_multinode.sh on `nodes` as a user would on each machine."""
+        procs = []
+        for node_rank, node in enumerate(nodes):
+            env = {
+                "MASTER_ADDR": address(nodes[0]),
+                "MASTER_PORT": str(port),
+                "NNODES": str(len(nodes)),
+                "NODE_RANK": str(node_rank),
+                "NPROC_PER_NODE": str(nproc),
+                "SOCKET_IFNAME": "eth0",
+                "LOCAL_ADDR": address(node),
+                "MAX_RESTARTS": "0",
+                "RDZV_JOIN_TIMEOUT": "60",
+                "JOB_ID": f"test-{self.prefix}",
+                "OMP_NUM_THREADS": "1",
+                **overrides,
+            }
+            procs.append(
+                subprocess.Popen(
+                    self.command(node, env, ["bash", "scripts/launch_multinode.sh", *args]),
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env={**os.environ, "NETNS_PREFIX": self.prefix},
+                )
+            )
+        results = []
+        try:
+            for proc in procs:
+                out, _ = proc.communicate(timeout=timeout)
+                results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for node, result in zip(nodes, results, strict=True):
+            if result.returncode != 0:
+                print(f"--- node {node} exited {result.returncode}:\n{result.stdout[-6000:]}")
+        return results
+
+
+@contextmanager
+def netns_cluster(num_hosts: int) -> Iterator[Cluster]:
+    """`num_hosts` hosts, removed again however the test ends."""
+    prefix = "t" + uuid.uuid4().hex[:6]
+    env = {**os.environ, "NETNS_PREFIX": prefix}
+    try:
+        subprocess.run(
+            ["bash", str(SCRIPT), "up", str(num_hosts)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        yield Cluster(prefix, num_hosts)
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, timeout=60)

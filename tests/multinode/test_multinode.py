@@ -1,0 +1,154 @@
+"""Jobs across real network hosts: network namespaces joined by a bridge, one machine."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from cluster import netns_cluster
+
+CAN_MAKE_HOSTS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("unshare")
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.slow,
+    # Under CI these must run (root, iproute2): missing tools fail instead of skipping.
+    pytest.mark.skipif(
+        not CAN_MAKE_HOSTS and not os.environ.get("CI"),
+        reason="needs root, iproute2 and unshare to create test hosts",
+    ),
+]
+
+JOB = [
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=1024",
+    "--data.synthetic_eval_size=300",
+    "--data.batch_size=32",
+    "--train.max_steps=6",
+    "--model.widths=8,16",
+    "--data.num_workers=0",
+    "--log.every_steps=2",
+    "--log.tensorboard=false",
+    "--dist.timeout_s=60",
+]
+
+
+def layout(output: str) -> dict[int, tuple[str, int]]:
+    """rank -> (host, local rank), from the preflight table rank 0 logs."""
+    found = re.findall(r"rank (\d+) = (\S+) local rank (\d+)", output)
+    return {int(rank): (host, int(local)) for rank, host, local in found}
+
+
+def final_state(run_dir) -> dict:
+    return torch.load(run_dir / "checkpoints" / "step_6.pt", weights_only=True)
+
+
+def test_two_nodes_by_two_processes_is_one_job_equal_to_one_node_by_four(tmp_path) -> None:
+    with netns_cluster(2) as cluster:
+        two_nodes = cluster.launch([0, 1], nproc=2, args=[f"--run.dir={tmp_path / 'a'}", *JOB])
+        one_node = cluster.launch(
+            [0], nproc=2 * 2, args=[f"--run.dir={tmp_path / 'b'}", *JOB], port=29401
+        )
+    assert [r.returncode for r in two_nodes] == [0, 0] and one_node[0].returncode == 0
+    node0, node1 = (r.stdout for r in two_nodes)
+    assert "world size 4" in node0
+    ranks = layout(node0)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert ranks[0] == ("node0", 0) and ranks[1] == ("node0", 1)
+    assert {ranks[2], ranks[3]} == {("node1", 0), ("node1", 1)}
+    # Only global rank 0, on node 0, writes checkpoints and metrics.
+    assert "saved checkpoint" in node0 and "saved checkpoint" not in node1
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    for key, value in b["model"].items():
+        assert torch.equal(a["model"][key], value), key
+    for index, state in b["optimizer"]["state"].items():
+        assert torch.equal(
+            a["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"]
+        )
+
+
+def test_three_nodes(tmp_path) -> None:
+    with netns_cluster(3) as cluster:
+        results = cluster.launch([0, 1, 2], nproc=1, args=[f"--run.dir={tmp_path}", *JOB])
+    assert [r.returncode for r in results] == [0, 0, 0]
+    assert sorted(layout(results[0].stdout)) == [0, 1, 2]
+    assert "on 300 samples" in results[0].stdout  # exact evaluation across 3 hosts
+
+
+def test_hosts_are_removed_after_the_test() -> None:
+    with netns_cluster(2) as cluster:
+        prefix = cluster.prefix
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert prefix not in names and prefix not in links
+
+
+def test_a_node_that_never_arrives_fails_every_started_node_in_bounded_time(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    with netns_cluster(2) as cluster:
+        started = time.monotonic()
+        # NNODES=2 but only node 0 is started.
+        (result,) = cluster.launch(
+            [0], nproc=1, args=[f"--run.dir={run_dir}", *JOB], NNODES="2", RDZV_JOIN_TIMEOUT="15"
+        )
+        elapsed = time.monotonic() - started
+        leftovers = subprocess.run(
+            ["ip", "netns", "pids", f"{cluster.prefix}-node0"], capture_output=True, text=True
+        ).stdout
+    assert result.returncode != 0 and elapsed < 15 + 20
+    assert "expected 2 nodes, 1 arrived" in result.stdout and "missing NODE_RANK 1" in result.stdout
+    assert "10.77.0.1:29401" in result.stdout  # the endpoint
+    assert leftovers.strip() == ""  # no process left behind
+    assert not run_dir.exists()  # nothing written
+
+
+def test_wrong_master_addr_is_explained_not_a_hang(tmp_path) -> None:
+    with netns_cluster(2) as cluster:
+        started = time.monotonic()
+        (result,) = cluster.launch(
+            [1],
+            nproc=1,
+            args=[f"--run.dir={tmp_path}", *JOB],
+            MASTER_ADDR="10.77.0.9",
+            NNODES="2",
+            NODE_RANK="1",
+            RDZV_JOIN_TIMEOUT="10",
+        )
+    assert result.returncode != 0 and time.monotonic() - started < 10 + 20
+    assert "cannot reach the rendezvous at 10.77.0.9:29401" in result.stdout
+    assert "MASTER_ADDR" in result.stdout
+
+
+def test_port_in_use_on_node_zero_is_explained(tmp_path) -> None:
+    with netns_cluster(1) as cluster:
+        holder = subprocess.Popen(
+            cluster.command(
+                0,
+                {},
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 29401)); "
+                    "s.listen(); print('bound', flush=True); time.sleep(60)",
+                ],
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "NETNS_PREFIX": cluster.prefix},
+        )
+        try:
+            assert holder.stdout.readline().strip() == "bound"
+            (result,) = cluster.launch(
+                [0], nproc=1, args=[f"--run.dir={tmp_path}", *JOB], RDZV_JOIN_TIMEOUT="10"
+            )
+        finally:
+            holder.kill()
+            holder.wait()
+    assert result.returncode != 0
+    assert "node 0 cannot listen on 10.77.0.1:29401" in result.stdout
+    assert "already in use" in result.stdout

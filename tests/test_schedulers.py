@@ -1,0 +1,286 @@
+"""Cluster-scheduler files: the Slurm batch script and the Kubeflow PyTorchJob manifest.
+
+No cluster is needed: the batch script runs under bash with fake `scontrol` and `srun` first on
+PATH, and the manifest is checked as parsed YAML.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+MANIFEST = REPO / "scripts" / "k8s" / "pytorchjob.yaml"
+
+HOSTS = ("gpu-node-17", "gpu-node-18")
+# Arguments that a wrong quoting level would split, glob or expand.
+PASSTHROUGH = ["--train.epochs=3", "--log.note=two  words", "--x=$HOME '*' \"q\"", "--y=a;b"]
+
+# `scontrol show hostnames` prints the job's hosts; `scontrol requeue` is logged and, as Slurm
+# would, ends the running job step (the fake srun).
+FAKE_SCONTROL = f"""#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$FAKE_LOG/scontrol.log"
+if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\\n' {" ".join(HOSTS)}; exit 0; fi
+if [[ "$1" == requeue && -f "$FAKE_LOG/srun.pid" ]]; then
+  kill -TERM "$(cat "$FAKE_LOG/srun.pid")"
+fi
+"""
+
+# Records its arguments (NUL-separated) and the rendezvous environment. FAKE_SRUN_MODE=exec runs
+# the task command once per node with that node's SLURM_NODEID, as srun would; =sleep waits to be
+# killed. Otherwise it runs nothing.
+FAKE_SRUN = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$FAKE_LOG/srun.args"
+for v in NNODES MASTER_ADDR MASTER_PORT JOB_ID RUN_DIR; do
+  printf '%s=%s\\n' "$v" "${!v-<unset>}"
+done > "$FAKE_LOG/srun.env"
+case "${FAKE_SRUN_MODE:-record}" in
+  exec)
+    while [[ "$1" == --* ]]; do shift; done  # srun's own options
+    for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node "$@" || exit; done ;;
+  sleep)
+    echo $$ > "$FAKE_LOG/srun.pid"
+    exec sleep 60 ;;
+esac
+"""
+
+# Stands in for scripts/launch_multinode.sh in the submit directory for FAKE_SRUN_MODE=exec.
+FAKE_LAUNCH = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$FAKE_LOG/launch.$NODE_RANK.args"
+"""
+
+
+def _write_exe(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> dict[str, str]:
+    """Environment of a 2-node batch job with fake Slurm commands; submit dir = tmp_path/submit."""
+    bin_dir, log, submit = tmp_path / "bin", tmp_path / "log", tmp_path / "submit"
+    log.mkdir()
+    _write_exe(bin_dir / "scontrol", FAKE_SCONTROL)
+    _write_exe(bin_dir / "srun", FAKE_SRUN)
+    _write_exe(submit / "scripts" / "launch_multinode.sh", FAKE_LAUNCH)
+    return {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "FAKE_LOG": str(log),
+        "SLURM_JOB_ID": "123457",
+        "SLURM_JOB_NODELIST": "gpu-node-[17-18]",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_SUBMIT_DIR": str(submit),
+    }
+
+
+def _run_sbatch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SBATCH), *args], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+def _read_nul(path: Path) -> list[str]:
+    return path.read_text().split("\0")[:-1]
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
+def _directives() -> dict[str, str]:
+    found = {}
+    for line in SBATCH.read_text().splitlines():
+        if m := re.match(r"#SBATCH\s+(--[\w-]+)(?:=(\S+))?", line):
+            found[m.group(1)] = m.group(2) or ""
+    return found
+
+
+def test_sbatch_is_valid_bash() -> None:
+    result = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_sbatch_directives() -> None:
+    directives = _directives()
+    assert int(directives["--nodes"]) >= 2
+    assert directives["--ntasks-per-node"] == "1"
+    assert int(directives["--gpus-per-node"]) >= 1
+    signal_spec = re.fullmatch(r"B:USR2@(\d+)", directives["--signal"])
+    assert signal_spec and int(signal_spec.group(1)) >= 60, directives["--signal"]
+    assert "--requeue" in directives
+    assert directives["--open-mode"] == "append"
+    assert "%j" in directives["--output"]
+    # sbatch stops reading directives at the first command: all of them must come before it.
+    lines = SBATCH.read_text().splitlines()
+    first_command = next(i for i, s in enumerate(lines) if s.strip() and not s.startswith("#"))
+    assert all(i < first_command for i, s in enumerate(lines) if s.startswith("#SBATCH"))
+
+
+def test_sbatch_sets_rendezvous_and_passes_args(slurm: dict[str, str]) -> None:
+    result = _run_sbatch(slurm, *PASSTHROUGH)
+    assert result.returncode == 0, result.stderr
+    log = Path(slurm["FAKE_LOG"])
+    env = _read_env(log / "srun.env")
+    run_dir = f"{slurm['SLURM_SUBMIT_DIR']}/runs/slurm-123457"
+    assert env == {
+        "NNODES": "2",
+        "MASTER_ADDR": HOSTS[0],
+        "MASTER_PORT": str(20000 + 123457 % 10000),
+        "JOB_ID": "123457",
+        "RUN_DIR": run_dir,
+    }
+    args = _read_nul(log / "srun.args")
+    assert "--kill-on-bad-exit=1" in args and "--ntasks-per-node=1" in args
+    # The run dir, then every passthrough argument exactly as given, at the end of the line.
+    assert args[-len(PASSTHROUGH) - 1 :] == [f"--run.dir={run_dir}", *PASSTHROUGH]
+    assert (log / "scontrol.log").read_text().splitlines() == [
+        f"show hostnames {slurm['SLURM_JOB_NODELIST']}"
+    ]
+
+
+@pytest.mark.parametrize("job_id", ["1", "29999", "987654321"])
+def test_sbatch_port_in_range(slurm: dict[str, str], job_id: str) -> None:
+    result = _run_sbatch({**slurm, "SLURM_JOB_ID": job_id})
+    assert result.returncode == 0, result.stderr
+    port = int(_read_env(Path(slurm["FAKE_LOG"]) / "srun.env")["MASTER_PORT"])
+    assert 20000 <= port <= 29999
+    assert port == 20000 + int(job_id) % 10000
+
+
+def test_sbatch_run_dir_override(slurm: dict[str, str]) -> None:
+    result = _run_sbatch({**slurm, "RUN_DIR": "/shared/runs/exp1"}, "--train.epochs=3")
+    assert result.returncode == 0, result.stderr
+    args = _read_nul(Path(slurm["FAKE_LOG"]) / "srun.args")
+    assert args[-2:] == ["--run.dir=/shared/runs/exp1", "--train.epochs=3"]
+
+
+def test_sbatch_each_node_gets_its_rank_and_the_args(slurm: dict[str, str]) -> None:
+    """Run srun's task command per node: NODE_RANK must come from each task's SLURM_NODEID."""
+    result = _run_sbatch({**slurm, "FAKE_SRUN_MODE": "exec"}, *PASSTHROUGH)
+    assert result.returncode == 0, result.stderr
+    run_dir = f"{slurm['SLURM_SUBMIT_DIR']}/runs/slurm-123457"
+    for node in (0, 1):
+        launched = _read_nul(Path(slurm["FAKE_LOG"]) / f"launch.{node}.args")
+        assert launched == [f"--run.dir={run_dir}", *PASSTHROUGH]
+
+
+def test_sbatch_without_slurm_job_fails(slurm: dict[str, str]) -> None:
+    env = {k: v for k, v in slurm.items() if k != "SLURM_JOB_ID"}
+    result = _run_sbatch(env)
+    assert result.returncode != 0
+    assert "sbatch" in result.stderr
+    assert not (Path(slurm["FAKE_LOG"]) / "srun.args").exists()
+
+
+def test_sbatch_requeues_on_usr2(slurm: dict[str, str]) -> None:
+    log = Path(slurm["FAKE_LOG"])
+    # Output to a file, not a pipe: the fake srun must not keep the test waiting on its end.
+    with open(log / "batch.out", "w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(SBATCH), "--train.epochs=3"],
+            env={**slurm, "FAKE_SRUN_MODE": "sleep"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    finished = False
+    try:
+        deadline = time.monotonic() + 20
+        while not (log / "srun.pid").exists():  # srun started, so the trap is installed
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGUSR2)
+        proc.wait(timeout=20)
+        finished = True
+    finally:
+        if not finished:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError, ValueError):  # leave no fake srun (sleep) behind
+            pid = int((log / "srun.pid").read_text())
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
+                os.kill(pid, signal.SIGKILL)
+    stderr = (log / "batch.out").read_text()
+    calls = (log / "scontrol.log").read_text().splitlines()
+    assert calls[-1] == "requeue 123457", stderr
+    assert "requeueing job 123457" in stderr
+    # The batch shell survived the signal, waited for srun (ended by the requeue) and exited
+    # with srun's status.
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+
+
+def test_sbatch_requeue_limit(slurm: dict[str, str]) -> None:
+    """After MAX_REQUEUES requeues the signal is logged but the job is not requeued again."""
+    # Define just the handler (sed cuts it out of the script), then call it.
+    script = f"source <(sed -n '/^requeue()/,/^}}/p' {shlex.quote(str(SBATCH))}); requeue"
+    env = {**slurm, "SLURM_RESTART_COUNT": "5", "MAX_REQUEUES": "5"}
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "not requeueing" in result.stderr
+    assert not (Path(slurm["FAKE_LOG"]) / "scontrol.log").exists()
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------
+
+
+def _manifest() -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def test_pytorchjob_manifest() -> None:
+    docs = _manifest()
+    job = docs["PyTorchJob"]
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    elastic = job["spec"]["elasticPolicy"]
+    assert elastic["rdzvBackend"] == "c10d"
+    assert elastic["maxRestarts"] >= 1
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "OnFailure"
+    # A fixed size: train.py refuses to resume mid-epoch with another world size.
+    assert elastic["minReplicas"] == elastic["maxReplicas"] == worker["replicas"] >= 2
+
+    pod = worker["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 30
+    (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+    assert "CHANGE-ME" in container["image"]  # the placeholder is unmistakable
+    command = container["command"]
+    # torchrun (not plain python) reads the operator's PET_* rendezvous settings.
+    launcher = command.index("torch.distributed.run")
+    assert command[launcher - 1] == "-m" and command[0].endswith("python")
+    assert launcher < command.index("train.py")
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (shared,) = [n for n, v in volumes.items() if "persistentVolumeClaim" in v]
+    run_dirs = [a.split("=", 1)[1] for a in command if a.startswith("--run.dir=")]
+    assert len(run_dirs) == 1
+    assert run_dirs[0].startswith(mounts[shared].rstrip("/") + "/")
+    assert run_dirs[0] != mounts[shared]
+    claim = volumes[shared]["persistentVolumeClaim"]["claimName"]
+    pvc = docs["PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == claim
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert mounts["dshm"] == "/dev/shm"
+
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus >= 1
+    # One rank per GPU: the policy, the explicit torchrun flag and the GPU limit agree.
+    assert elastic["nProcPerNode"] == gpus
+    assert f"--nproc-per-node={gpus}" in command
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert "pytorchjob-port" in ports  # the operator builds the rendezvous endpoint from it
