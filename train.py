@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,36 @@ def write_config(cfg: Config, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     payload = (cfg.to_json() + "\n").encode()
     checkpoint.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+
+
+def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:
+    """Refuse to train unless every rank sees the files rank 0 writes in run.dir.
+
+    Rank 0 alone writes checkpoints and every rank reads them back on resume, so a run dir on
+    node-local disks would fail only at the first restart, hours in. Network filesystems may
+    show a new file late (attribute caching): each rank retries for `wait_s` seconds.
+    """
+    if info.world_size == 1:
+        return
+    token = distributed.broadcast_object(uuid.uuid4().hex if info.is_main else None)
+    marker = run_dir / f".shared-check-{token}"
+    distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
+
+    def visible() -> bool:
+        return marker.is_file() and marker.read_text() == token
+
+    deadline = time.monotonic() + wait_s
+    while not visible() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    error = None
+    if not visible():
+        error = ConfigError(
+            f"run.dir={run_dir} is not shared: rank {info.rank} on {socket.gethostname()} "
+            f"cannot see {marker.name}, written there by rank 0. Checkpoints and resume need a "
+            "run.dir on storage every node mounts (NFS, Lustre, a ReadWriteMany volume)"
+        )
+    distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
+    distributed.run_on_main(info, f"removing {marker}", lambda: marker.unlink(missing_ok=True))
 
 
 def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Module:
@@ -412,6 +444,7 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     distributed.run_on_main(
         info, f"writing {run_dir / 'config.json'}", lambda: write_config(cfg, run_dir)
     )
+    check_run_dir_shared(info, run_dir)
     seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
     job, pos = build(cfg, info)
     log.info(

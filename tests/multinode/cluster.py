@@ -34,9 +34,14 @@ class Cluster:
         args: list[str],
         port: int = 29400,
         timeout: float = 240,
+        private_dirs: dict[int, str] | None = None,
         **overrides: str,
     ) -> list[subprocess.CompletedProcess]:
-        """Run scripts/launch_multinode.sh on `nodes` as a user would on each machine."""
+        """Run scripts/launch_multinode.sh on `nodes` as a user would on each machine.
+
+        `private_dirs` maps a node to a directory that gets a tmpfs of its own on that node:
+        a node-local disk where the others have shared storage.
+        """
         procs = []
         for node_rank, node in enumerate(nodes):
             env = {
@@ -53,9 +58,13 @@ class Cluster:
                 "OMP_NUM_THREADS": "1",
                 **overrides,
             }
+            argv = ["bash", "scripts/launch_multinode.sh", *args]
+            if private_dirs and node in private_dirs:
+                mount = 'mkdir -p "$0" && mount -t tmpfs tmpfs "$0" && exec "$@"'
+                argv = ["sh", "-c", mount, private_dirs[node], *argv]
             procs.append(
                 subprocess.Popen(
-                    self.command(node, env, ["bash", "scripts/launch_multinode.sh", *args]),
+                    self.command(node, env, argv),
                     cwd=REPO,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

@@ -152,3 +152,17 @@ def test_port_in_use_on_node_zero_is_explained(tmp_path) -> None:
     assert result.returncode != 0
     assert "node 0 cannot listen on 10.77.0.1:29401" in result.stdout
     assert "already in use" in result.stdout
+
+
+def test_node_local_run_dir_is_refused_before_training(tmp_path) -> None:
+    """Node 1 gets its own disk at the run dir's parent: resume could never work, so refuse."""
+    local = tmp_path / "local"
+    local.mkdir()
+    with netns_cluster(2) as cluster:
+        results = cluster.launch(
+            [0, 1], nproc=1, args=[f"--run.dir={local / 'run'}", *JOB], private_dirs={1: str(local)}
+        )
+    assert [r.returncode != 0 for r in results] == [True, True]
+    node1 = results[1].stdout
+    assert "is not shared: rank 1 on node1 cannot see" in node1 and "ReadWriteMany" in node1
+    assert not (local / "run" / "checkpoints").exists()
