@@ -80,7 +80,6 @@ class Job:
 
 
 def write_config(cfg: Config, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
     payload = (cfg.to_json() + "\n").encode()
     checkpoint.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
 
@@ -442,11 +441,15 @@ def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     distributed.run_on_main(
-        info, f"writing {run_dir / 'config.json'}", lambda: write_config(cfg, run_dir)
+        info, f"creating run.dir={run_dir}", lambda: run_dir.mkdir(parents=True, exist_ok=True)
     )
     check_run_dir_shared(info, run_dir)
     seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
     job, pos = build(cfg, info)
+    # Only now, once resuming (or refusing to) is settled: a refused run changes no file.
+    distributed.run_on_main(
+        info, f"writing {run_dir / 'config.json'}", lambda: write_config(cfg, run_dir)
+    )
     log.info(
         "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
         "%d steps in total, config %s",
@@ -498,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, info)
         log.info("done: %s", result)
         return 0
+    except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError) as err:
+        log.error("%s", err)  # a clear message instead of a traceback; every rank exits
+        return 2
     finally:
         distributed.teardown()
 

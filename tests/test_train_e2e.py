@@ -217,3 +217,27 @@ def test_resume_mid_epoch_matches_the_uninterrupted_run_exactly(tmp_path) -> Non
             state["momentum_buffer"], final_resumed["optimizer"]["state"][index]["momentum_buffer"]
         )
     assert rows(full, "eval")[-1] == rows(resumed, "eval")[-1]
+
+
+@pytest.mark.slow
+def test_fresh_run_in_a_used_run_dir_is_refused_and_changes_no_file(tmp_path) -> None:
+    args = [
+        sys.executable,
+        "train.py",
+        f"--run.dir={tmp_path}",
+        "--data.dataset=synthetic",
+        "--data.synthetic_train_size=256",
+        "--data.batch_size=64",
+        "--train.max_steps=2",
+        "--data.num_workers=0",
+        "--log.tensorboard=false",
+        "--model.widths=8",
+    ]
+    assert run(args).returncode == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = run([*args, "--ckpt.resume=never", "--optim.lr=0.05"])
+    assert proc.returncode == 2
+    assert (
+        "already holds checkpoints of steps [2]" in proc.stderr and "new --run.dir" in proc.stderr
+    )
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
