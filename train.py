@@ -98,7 +98,10 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
     distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
 
     def visible() -> bool:
-        return marker.is_file() and marker.read_text() == token
+        try:
+            return marker.is_file() and marker.read_text() == token
+        except OSError:  # e.g. ESTALE on NFS: treat as not (yet) visible, never skip the vote
+            return False
 
     deadline = time.monotonic() + wait_s
     while not visible() and time.monotonic() < deadline:
@@ -110,8 +113,11 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
             f"cannot see {marker.name}, written there by rank 0. Checkpoints and resume need a "
             "run.dir on storage every node mounts (NFS, Lustre, a ReadWriteMany volume)"
         )
-    distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
-    distributed.run_on_main(info, f"removing {marker}", lambda: marker.unlink(missing_ok=True))
+    try:
+        distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
+    finally:  # every rank has voted, so none reads the marker any more
+        if info.is_main:
+            marker.unlink(missing_ok=True)
 
 
 def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Module:
@@ -140,6 +146,9 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
         preflight.check(info, data.fingerprint(splits), cfg.fingerprint())
     if cfg.dist.preflight_bandwidth:
         preflight.bandwidth(info)
+    # After preflight, so that a run.dir differing between nodes is reported as a config
+    # mismatch rather than as a run dir that is not shared.
+    check_run_dir_shared(info, Path(cfg.run.dir))
     train_loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
     accum = cfg.train.grad_accum_steps
     steps_per_epoch = len(train_loader) // accum
@@ -207,7 +216,7 @@ def load_resume_state(cfg: Config, info: DistInfo) -> tuple[Path, dict[str, Any]
     if state is None:  # every rank but 0
         try:
             state = checkpoint.load(path, info.device)
-        except checkpoint.CheckpointError as err:  # e.g. this node cannot see rank 0's file
+        except Exception as err:  # e.g. this node cannot see rank 0's file: never skip the vote
             error = err
     distributed.raise_if_any_failed(info, error, f"loading {path}")
     assert state is not None
@@ -443,7 +452,6 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     distributed.run_on_main(
         info, f"creating run.dir={run_dir}", lambda: run_dir.mkdir(parents=True, exist_ok=True)
     )
-    check_run_dir_shared(info, run_dir)
     seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
     job, pos = build(cfg, info)
     # Only now, once resuming (or refusing to) is settled: a refused run changes no file.

@@ -11,6 +11,8 @@
 #   host name, which must resolve everywhere), PYTHON (.venv/bin/python when present, else python3).
 # RDZV_CHECK (1) meets all nodes on RDZV_CHECK_PORT (MASTER_PORT + 1) before torchrun starts,
 #   so failures are explained (scripts/rendezvous_check.py); 0 skips it.
+# Network: every node must reach node 0 on MASTER_PORT and RDZV_CHECK_PORT, and all nodes each
+#   other on ephemeral ports (torchrun's worker store, gloo and NCCL pick free ports).
 # Debug knobs passed through when set: NCCL_DEBUG, TORCH_DISTRIBUTED_DEBUG, NCCL_IB_DISABLE,
 #   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME.
 # Every other argument is a train.py config override (--section.field=value).
@@ -19,7 +21,8 @@ set -euo pipefail
 die() { echo "launch_multinode.sh: $*" >&2; exit 2; }
 
 require_int() {  # name value minimum
-  [[ "$2" =~ ^[0-9]+$ ]] || die "$1=$2 is not a non-negative integer"
+  # No leading zeros: bash arithmetic would read them as octal, Python and torchrun as decimal.
+  [[ "$2" =~ ^(0|[1-9][0-9]*)$ ]] || die "$1=$2 is not a non-negative integer"
   (( $2 >= $3 )) || die "$1=$2 must be >= $3"
 }
 
@@ -41,10 +44,13 @@ require_int MASTER_PORT "$MASTER_PORT" 1
 require_int MAX_RESTARTS "$MAX_RESTARTS" 0
 require_int RDZV_JOIN_TIMEOUT "$RDZV_JOIN_TIMEOUT" 1
 RDZV_CHECK=${RDZV_CHECK:-1}
-RDZV_CHECK_PORT=${RDZV_CHECK_PORT:-$(( MASTER_PORT + 1 ))}
-require_int RDZV_CHECK_PORT "$RDZV_CHECK_PORT" 1
-(( RDZV_CHECK_PORT <= 65535 && RDZV_CHECK_PORT != MASTER_PORT )) \
-  || die "RDZV_CHECK_PORT=$RDZV_CHECK_PORT must be a TCP port other than MASTER_PORT"
+[[ "$RDZV_CHECK" == 0 || "$RDZV_CHECK" == 1 ]] || die "RDZV_CHECK=$RDZV_CHECK must be 0 or 1"
+if [[ "$RDZV_CHECK" == 1 ]]; then
+  RDZV_CHECK_PORT=${RDZV_CHECK_PORT:-$(( MASTER_PORT + 1 ))}
+  require_int RDZV_CHECK_PORT "$RDZV_CHECK_PORT" 1
+  (( RDZV_CHECK_PORT <= 65535 && RDZV_CHECK_PORT != MASTER_PORT )) \
+    || die "RDZV_CHECK_PORT=$RDZV_CHECK_PORT must be a TCP port other than MASTER_PORT"
+fi
 
 if [[ -n "${SOCKET_IFNAME:-}" ]]; then
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME}

@@ -26,6 +26,9 @@ up() {
   local n=$1
   [[ "$n" =~ ^[1-9]$ ]] || die "host count must be 1 to 9, got $n"
   ip link add "${PREFIX}br" type bridge
+  # Hosts with br_netfilter and a FORWARD policy of DROP (Docker hosts) would filter bridged
+  # traffic between the namespaces: exempt this bridge from iptables where the kernel allows.
+  ip link set "${PREFIX}br" type bridge nf_call_iptables 0 nf_call_ip6tables 0 2>/dev/null || true
   ip link set "${PREFIX}br" up
   for (( i = 0; i < n; i++ )); do
     ip netns add "$(ns "$i")"
@@ -43,7 +46,12 @@ up() {
 down() {
   local name
   for name in $(ip netns list | awk '{print $1}' | grep "^${PREFIX}-node" || true); do
-    ip netns pids "$name" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    # Kill until none is left: a process may fork (torchrun starting workers) meanwhile.
+    for _ in $(seq 50); do
+      [[ -z "$(ip netns pids "$name" 2>/dev/null)" ]] && break
+      ip netns pids "$name" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+      sleep 0.1
+    done
     ip netns del "$name"
   done
   ip link del "${PREFIX}br" 2>/dev/null || true
@@ -52,6 +60,8 @@ down() {
     ip -br link | grep -q "^${PREFIX}\(br\|h[0-9]\)" || return 0
     sleep 0.1
   done
+  echo "netns_cluster.sh: links of $PREFIX still present after down" >&2
+  return 1
 }
 
 exec_on() {
@@ -61,12 +71,14 @@ exec_on() {
 }
 
 demo() {
+  local self
+  self=$(realpath "$0")
   trap down EXIT
   up 2
-  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  cd "$(dirname "$self")/.."
   local run_dir=${RUN_DIR:-runs/netns-demo} pids=() i
   for i in 0 1; do
-    NETNS_PREFIX=$PREFIX "$0" exec "$i" env MASTER_ADDR="$(addr 0)" MASTER_PORT=29400 NNODES=2 NODE_RANK=$i \
+    NETNS_PREFIX=$PREFIX "$self" exec "$i" env MASTER_ADDR="$(addr 0)" MASTER_PORT=29400 NNODES=2 NODE_RANK=$i \
       NPROC_PER_NODE=2 SOCKET_IFNAME=eth0 LOCAL_ADDR="$(addr "$i")" MAX_RESTARTS=0 \
       RDZV_JOIN_TIMEOUT=60 bash scripts/launch_multinode.sh --run.dir="$run_dir" --data.dataset=synthetic \
       --train.epochs=1 --data.num_workers=0 --log.every_steps=8 "$@" 2>&1 \

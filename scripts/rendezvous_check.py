@@ -2,16 +2,19 @@
 
 torchrun's own rendezvous reports a missing node as a bare `RendezvousTimeoutError`, and an
 unreachable MASTER_ADDR as a minutes-long connect retry. This check runs first on each node
-(from launch_multinode.sh): node 0 hosts a small TCP store on RDZV_CHECK_PORT, every node checks
-in with its NODE_RANK and host name, and within RDZV_JOIN_TIMEOUT seconds either all NNODES
-arrive or every started node exits with a message naming the endpoint, the nodes that arrived
-and the NODE_RANKs that did not. Exit codes: 0 all arrived, 3 timeout or unreachable, 4 bad
-setup (port in use, address not on node 0, duplicate NODE_RANK).
+(from launch_multinode.sh): node 0 hosts a small TCP store on RDZV_CHECK_PORT and every node
+checks in with its NODE_RANK, NNODES and host name. Node 0 alone decides, by its own deadline
+(RDZV_JOIN_TIMEOUT seconds), and publishes one verdict that every node that arrived reads:
+all go on to torchrun, or all exit with the same message naming the endpoint, the nodes that
+arrived and the NODE_RANKs that did not.
+Exit codes: 0 all arrived; 3 timeout, unreachable node 0, or node 0 gone; 4 bad setup (port in
+use, MASTER_ADDR not an address of node 0, duplicate NODE_RANK, NNODES differing between nodes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -22,11 +25,15 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 POLL_S = 0.2
+GRACE_S = 15.0  # beyond node 0's deadline: clock skew, and node 0 writing the verdict
+
+
+class CheckFailed(Exception):
+    """(exit code, message)."""
 
 
 def fail(code: int, message: str) -> None:
-    print(f"rendezvous_check: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+    raise CheckFailed(code, message)
 
 
 @contextlib.contextmanager
@@ -47,89 +54,162 @@ def quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-class SetupError(Exception):
-    """(exit code, message) of a node that cannot join the check."""
+def check_local_address(addr: str, port: int) -> None:
+    """On node 0: MASTER_ADDR must be one of this host's addresses, and the port free."""
+    try:
+        ip = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as err:
+        fail(4, f"MASTER_ADDR={addr} does not resolve on node 0: {err}")
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
+        try:
+            sock.bind((ip, 0))
+        except OSError:
+            fail(
+                4,
+                f"MASTER_ADDR={addr} ({ip}) is not an address of this host, but this is "
+                "node 0 (NODE_RANK=0): give node 0's own address",
+            )
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as err:
+            fail(
+                4,
+                f"node 0 cannot listen on {addr}:{port}: {err}. Is port {port} already in "
+                "use (another job?): choose another MASTER_PORT or RDZV_CHECK_PORT",
+            )
 
 
 def connect(addr: str, port: int, node_rank: int, timeout_s: float) -> TCPStore:
-    try:
-        with quiet_stderr():
-            return _connect(addr, port, node_rank, timeout_s)
-    except SetupError as err:
-        fail(*err.args)
-        raise
-
-
-def _connect(addr: str, port: int, node_rank: int, timeout_s: float) -> TCPStore:
     endpoint = f"{addr}:{port}"
-    if node_rank == 0:
+    with quiet_stderr():
         try:
             return TCPStore(
                 addr,
                 port,
-                is_master=True,
+                is_master=node_rank == 0,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=timeout_s),
             )
-        except Exception as err:  # bind failed: port taken, or addr is not this host's
-            raise SetupError(
-                4,
-                f"node 0 cannot listen on {endpoint}: {err}. Is port {port} already in use, "
-                f"or is MASTER_ADDR={addr} not an address of this host (node 0)?",
-            ) from None
-    try:
-        return TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception as err:
-        raise SetupError(
-            3,
-            f"node {node_rank} cannot reach the rendezvous at {endpoint} within "
-            f"{timeout_s:.0f} s ({err}). Check MASTER_ADDR (node 0's address as seen from "
-            "this node), the firewall, and that node 0 has been started",
-        ) from None
+        except Exception as err:
+            if node_rank == 0:
+                fail(4, f"node 0 cannot serve the rendezvous check on {endpoint}: {err}")
+            fail(
+                3,
+                f"node {node_rank} cannot reach the rendezvous at {endpoint} within "
+                f"{timeout_s:.0f} s ({err}). Check MASTER_ADDR (node 0's address as seen "
+                "from this node), that TCP port "
+                f"{port} on node 0 is open to this node, and that node 0 has been started",
+            )
+    raise AssertionError("unreachable")
 
 
-def wait_for(store: TCPStore, key: str, count: int, deadline: float) -> int:
-    """Poll counter `key` until it reaches `count` or the deadline passes; return its value."""
-    while True:
-        value = store.add(key, 0)
-        if value >= count or time.monotonic() > deadline:
-            return value
-        time.sleep(POLL_S)
-
-
-def main() -> None:
-    addr = os.environ["MASTER_ADDR"]
-    port = int(os.environ["RDZV_CHECK_PORT"])
-    num_nodes = int(os.environ["NNODES"])
-    node_rank = int(os.environ["NODE_RANK"])
-    timeout_s = float(os.environ.get("RDZV_JOIN_TIMEOUT", "600"))
-    deadline = time.monotonic() + timeout_s
-    store = connect(addr, port, node_rank, timeout_s)
-    host = socket.gethostname()
+def check_in(store: TCPStore, node_rank: int, num_nodes: int) -> None:
+    me = {"host": socket.gethostname(), "nnodes": num_nodes}
     if store.add(f"rank/{node_rank}", 1) > 1:
-        fail(
-            4,
-            f"NODE_RANK={node_rank} is used by two nodes (this one is {host}); give each "
-            f"node its own NODE_RANK in 0..{num_nodes - 1}",
+        reason = (
+            f"NODE_RANK={node_rank} is used by two nodes (one is {me['host']}); give "
+            f"each node its own NODE_RANK in 0..{num_nodes - 1}"
         )
-    store.set(f"host/{node_rank}", host)
-    store.add("arrived_total", 1)
-    arrived = wait_for(store, "arrived_total", num_nodes, deadline)
-    if arrived < num_nodes:
-        present = [r for r in range(num_nodes) if store.check([f"host/{r}"])]
-        names = ", ".join(f"{r}={store.get(f'host/{r}').decode()}" for r in present)
-        missing = [r for r in range(num_nodes) if r not in present]
+        store.compare_set("verdict", "", json.dumps({"code": 4, "message": reason}))
+        fail(4, reason)
+    store.set(f"node/{node_rank}", json.dumps(me))
+
+
+def decide(store: TCPStore, addr: str, port: int, num_nodes: int, timeout_s: float) -> dict:
+    """Node 0: wait for all nodes (or a verdict from a duplicate) until the deadline."""
+    deadline = time.monotonic() + timeout_s
+    keys = [f"node/{rank}" for rank in range(num_nodes)]
+    while time.monotonic() < deadline and not store.check(keys) and not store.check(["verdict"]):
+        time.sleep(POLL_S)
+    if store.check(["verdict"]):
+        return json.loads(store.get("verdict"))
+    present = {
+        rank: json.loads(store.get(f"node/{rank}"))
+        for rank in range(num_nodes)
+        if store.check([f"node/{rank}"])
+    }
+    names = ", ".join(f"{rank}={node['host']}" for rank, node in present.items())
+    if len(present) < num_nodes:
+        missing = ", ".join(str(r) for r in range(num_nodes) if r not in present)
+        verdict = {
+            "code": 3,
+            "message": (
+                f"rendezvous at {addr}:{port} timed out after {timeout_s:.0f} s: expected "
+                f"{num_nodes} nodes, {len(present)} arrived (NODE_RANK {names}); missing NODE_RANK "
+                f"{missing}. Start them, or check their MASTER_ADDR"
+            ),
+        }
+    elif any(node["nnodes"] != num_nodes for node in present.values()):
+        odd = ", ".join(
+            f"{node['host']} has NNODES={node['nnodes']}"
+            for node in present.values()
+            if node["nnodes"] != num_nodes
+        )
+        verdict = {
+            "code": 4,
+            "message": f"NNODES differs between nodes: node 0 has {num_nodes}; {odd}",
+        }
+    else:
+        verdict = {
+            "code": 0,
+            "message": f"all {num_nodes} nodes arrived at {addr}:{port} (NODE_RANK {names})",
+        }
+    store.compare_set("verdict", "", json.dumps(verdict))
+    return json.loads(store.get("verdict"))
+
+
+def run(addr: str, port: int, num_nodes: int, node_rank: int, timeout_s: float) -> str:
+    if node_rank == 0:
+        check_local_address(addr, port)
+    store = connect(addr, port, node_rank, timeout_s)
+    try:
+        if node_rank == 0:
+            store.set("deadline", str(time.time() + timeout_s))
+            check_in(store, node_rank, num_nodes)
+            verdict = decide(store, addr, port, num_nodes, timeout_s)
+            arrived = sum(store.check([f"node/{r}"]) for r in range(num_nodes))
+            # Keep the store up until every node that arrived has read the verdict.
+            until = time.monotonic() + GRACE_S
+            while store.add("read", 0) < arrived - 1 and time.monotonic() < until:
+                time.sleep(POLL_S)
+        else:
+            check_in(store, node_rank, num_nodes)
+            store.wait(["deadline"], timedelta(seconds=timeout_s))
+            remaining = float(store.get("deadline")) - time.time() + GRACE_S
+            store.wait(["verdict"], timedelta(seconds=max(remaining, GRACE_S)))
+            verdict = json.loads(store.get("verdict"))
+            store.add("read", 1)
+    except CheckFailed:
+        raise
+    except Exception as err:  # node 0 closed the store (it gave up, or was killed)
         fail(
             3,
-            f"rendezvous at {addr}:{port} timed out after {timeout_s:.0f} s: expected "
-            f"{num_nodes} nodes, {arrived} arrived (NODE_RANK {names}); missing NODE_RANK "
-            f"{', '.join(map(str, missing))}. Start them, or check their MASTER_ADDR",
+            f"the rendezvous check at {addr}:{port} ended before all nodes met ({err}); "
+            "see node 0's message",
         )
-    store.add("done", 1)
-    if node_rank == 0:  # keep the store up until every node has seen the full count
-        wait_for(store, "done", num_nodes, time.monotonic() + 30)
-    print(f"rendezvous_check: all {num_nodes} nodes arrived at {addr}:{port}", flush=True)
+    if verdict["code"]:
+        fail(verdict["code"], verdict["message"])
+    return verdict["message"]
+
+
+def main() -> int:
+    try:
+        message = run(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["RDZV_CHECK_PORT"]),
+            int(os.environ["NNODES"]),
+            int(os.environ["NODE_RANK"]),
+            float(os.environ.get("RDZV_JOIN_TIMEOUT", "600")),
+        )
+    except CheckFailed as failure:
+        code, message = failure.args
+        print(f"rendezvous_check: {message}", file=sys.stderr, flush=True)
+        return code
+    print(f"rendezvous_check: {message}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -138,7 +138,7 @@ def test_sbatch_sets_rendezvous_and_passes_args(slurm: dict[str, str]) -> None:
     assert env == {
         "NNODES": "2",
         "MASTER_ADDR": HOSTS[0],
-        "MASTER_PORT": str(20000 + 123457 % 10000),
+        "MASTER_PORT": "26914",  # 20000 + 2 * (123457 % 5000)
         "JOB_ID": "123457",
         "RUN_DIR": run_dir,
     }
@@ -156,8 +156,9 @@ def test_sbatch_port_in_range(slurm: dict[str, str], job_id: str) -> None:
     result = _run_sbatch({**slurm, "SLURM_JOB_ID": job_id})
     assert result.returncode == 0, result.stderr
     port = int(_read_env(Path(slurm["FAKE_LOG"]) / "srun.env")["MASTER_PORT"])
-    assert 20000 <= port <= 29999
-    assert port == 20000 + int(job_id) % 10000
+    assert 20000 <= port <= 29998 and port % 2 == 0
+    # Even ports only: this job's check port (MASTER_PORT + 1) is never the next job's port.
+    assert port == 20000 + 2 * (int(job_id) % 5000)
 
 
 def test_sbatch_run_dir_override(slurm: dict[str, str]) -> None:

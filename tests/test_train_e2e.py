@@ -41,9 +41,19 @@ def rows(run_dir: Path, kind: str) -> list[dict]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port p with p + 1 free too (launch_multinode.sh's rendezvous check uses p + 1)."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports found")
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,7 +44,7 @@ class Cluster:
         `private_dirs` maps a node to a directory that gets a tmpfs of its own on that node:
         a node-local disk where the others have shared storage.
         """
-        procs = []
+        procs, logs = [], []
         for node_rank, node in enumerate(nodes):
             env = {
                 "MASTER_ADDR": address(nodes[0]),
@@ -62,26 +64,32 @@ class Cluster:
             if private_dirs and node in private_dirs:
                 mount = 'mkdir -p "$0" && mount -t tmpfs tmpfs "$0" && exec "$@"'
                 argv = ["sh", "-c", mount, private_dirs[node], *argv]
+            # Output to files, not pipes: a full pipe would block that node's ranks mid-job.
+            logs.append(tempfile.TemporaryFile(mode="w+"))  # noqa: SIM115 (closed below)
             procs.append(
                 subprocess.Popen(
                     self.command(node, env, argv),
                     cwd=REPO,
-                    stdout=subprocess.PIPE,
+                    stdout=logs[-1],
                     stderr=subprocess.STDOUT,
                     text=True,
                     env={**os.environ, "NETNS_PREFIX": self.prefix},
                 )
             )
-        results = []
+        deadline = time.monotonic() + timeout
         try:
             for proc in procs:
-                out, _ = proc.communicate(timeout=timeout)
-                results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+        results = []
+        for proc, log in zip(procs, logs, strict=True):
+            log.seek(0)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, log.read()))
+            log.close()
         for node, result in zip(nodes, results, strict=True):
             if result.returncode != 0:
                 print(f"--- node {node} exited {result.returncode}:\n{result.stdout[-6000:]}")

@@ -166,3 +166,36 @@ def test_node_local_run_dir_is_refused_before_training(tmp_path) -> None:
     node1 = results[1].stdout
     assert "is not shared: rank 1 on node1 cannot see" in node1 and "ReadWriteMany" in node1
     assert not (local / "run" / "checkpoints").exists()
+    assert not list((local / "run").glob(".shared-check-*"))  # the marker is removed again
+
+
+def test_one_missing_node_of_three_fails_every_started_node_with_one_verdict(tmp_path) -> None:
+    """Node 1 arrives, node 2 never does: nodes 0 and 1 both stop with node 0's verdict."""
+    with netns_cluster(3) as cluster:
+        results = cluster.launch(
+            [0, 1],
+            nproc=1,
+            args=[f"--run.dir={tmp_path / 'run'}", *JOB],
+            NNODES="3",
+            RDZV_JOIN_TIMEOUT="10",
+        )
+    for result in results:
+        assert result.returncode != 0
+        assert "expected 3 nodes, 2 arrived" in result.stdout
+        assert "missing NODE_RANK 2" in result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_master_addr_that_is_not_node_zero_is_explained(tmp_path) -> None:
+    with netns_cluster(2) as cluster:
+        (result,) = cluster.launch(
+            [0],
+            nproc=1,
+            args=[f"--run.dir={tmp_path}", *JOB],
+            MASTER_ADDR="10.77.0.2",
+            RDZV_JOIN_TIMEOUT="10",
+        )
+    assert result.returncode != 0
+    assert (
+        "MASTER_ADDR=10.77.0.2" in result.stdout and "not an address of this host" in result.stdout
+    )
