@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,11 +142,6 @@ def load(path: str | Path, device: torch.device) -> dict[str, Any]:
     return state
 
 
-def _newest_first(directory: Path) -> Iterator[Path]:
-    for _, path in reversed(list_checkpoints(directory)):
-        yield path
-
-
 def load_for_resume(
     resume: str, run_dir: str | Path, device: torch.device
 ) -> tuple[Path, dict[str, Any]] | None:
@@ -162,7 +156,7 @@ def load_for_resume(
         return Path(resume), load(resume, device)
     directory = checkpoint_dir(run_dir)
     errors = []
-    for path in _newest_first(directory):
+    for _, path in reversed(list_checkpoints(directory)):
         try:
             return path, load(path, device)
         except CheckpointError as err:

@@ -244,15 +244,14 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     fails fast everywhere instead of hanging the other ranks.
     """
     builder = _BUILDERS[cfg.dataset]
-    error: Exception | None = None
-    if info.local_rank == 0:
-        try:
-            splits = builder(cfg)
-        except Exception as err:  # re-raised below, after the other ranks are released
-            error = err
-    distributed.raise_if_any_failed(info, error, f"preparing the {cfg.dataset} dataset")
-    if info.local_rank != 0:
-        splits = builder(cfg)
+    prepared: list[DataSplits] = []
+    distributed.run_on_main(
+        info,
+        f"preparing the {cfg.dataset} dataset",
+        lambda: prepared.append(builder(cfg)),
+        per_node=True,
+    )
+    splits = prepared[0] if prepared else builder(cfg)
     if cfg.subset:
         if cfg.subset > len(splits.train):
             raise ValueError(

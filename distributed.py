@@ -159,10 +159,12 @@ def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) 
         raise RuntimeError(f"{what} failed on {num_failed} other rank(s); see their errors")
 
 
-def run_on_main(info: DistInfo, what: str, fn: Callable[[], None]) -> None:
-    """Collective: run `fn` on rank 0 only, then raise on every rank if it failed there."""
+def run_on_main(info: DistInfo, what: str, fn: Callable[[], None], per_node: bool = False) -> None:
+    """Collective: run `fn` on rank 0 only (or on local rank 0 of each node with `per_node`),
+    then raise on every rank if it failed anywhere."""
+    leader = info.local_rank == 0 if per_node else info.is_main
     error: Exception | None = None
-    if info.is_main:
+    if leader:
         try:
             fn()
         except Exception as err:  # re-raised on this rank by raise_if_any_failed

@@ -174,25 +174,21 @@ def test_launch_multinode_script_single_node(tmp_path) -> None:
 
 
 def test_launch_multinode_script_validates_its_environment() -> None:
+    def launch(env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "scripts/launch_multinode.sh"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NNODES")}
-    proc = subprocess.run(
-        ["bash", "scripts/launch_multinode.sh"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = launch(env)
     assert proc.returncode != 0 and "MASTER_ADDR" in proc.stderr
     env.update(MASTER_ADDR="10.0.0.1", NNODES="2", NODE_RANK="5", NPROC_PER_NODE="2")
-    proc = subprocess.run(
-        ["bash", "scripts/launch_multinode.sh"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = launch(env)
     assert proc.returncode != 0 and "NODE_RANK=5" in proc.stderr
 
 
