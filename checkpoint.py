@@ -1,26 +1,38 @@
-"""Checkpoints: atomic writes by rank 0, retention, and safe loading on every rank.
+"""Checkpoints: atomic, verified writes by rank 0, retention, and safe loading on every rank.
 
-Layout: `<run.dir>/checkpoints/step_<N>.pt` plus `best.json` ({"step", "accuracy"}).
-A checkpoint is written to a temporary file in the same directory, fsynced, renamed over its
-final name and the directory fsynced: a crash at any point leaves either no `step_<N>.pt` or
-a complete one, never a truncated file under the final name.
+Layout of `<run.dir>/checkpoints/`:
+    step_<N>.pt             the state, written by `torch.save`
+    step_<N>.manifest.json  {"file", "bytes", "sha256", "step"}: written last, after the .pt is
+                            durable and read back, so a checkpoint without one is incomplete
+    best.json               {"step", "accuracy"} of the best evaluated checkpoint
+
+Every file is written to a temporary name in the same directory, fsynced, renamed over its
+final name and the directory fsynced: a crash at any point leaves the previous checkpoints
+as they were and at worst an incomplete new one, which loading recognises and skips.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import pickle
 import re
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+
+import faults
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 BEST_FILE = "best.json"
+_READ_CHUNK = 1 << 22
 
 
 class CheckpointError(RuntimeError):
@@ -31,6 +43,10 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def manifest_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".pt") + ".manifest.json")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -39,7 +55,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, write: Any) -> None:
+def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Call `write(file)` on a temporary file next to `path`, then fsync and rename it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -52,6 +68,37 @@ def atomic_write_bytes(path: Path, write: Any) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+class _HashingWriter:
+    """File wrapper that hashes and counts what `torch.save` writes through it."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+        self.calls = 0
+
+    def write(self, chunk: bytes) -> int:
+        self.sha256.update(chunk)
+        self.bytes += len(chunk)
+        self.calls += 1
+        written = self.file.write(chunk)
+        if self.calls == 2:  # some bytes are on their way, far from all of them
+            self.file.flush()
+            faults.fire("save", "partial", 0)
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -69,26 +116,59 @@ def read_best(directory: Path) -> dict[str, Any] | None:
         return None
 
 
+def _remove_stale_temporaries(directory: Path) -> None:
+    """Delete temporary files left by a save that was killed (only rank 0 of one job writes
+    here, and never two saves at once, so no temporary file belongs to a live save)."""
+    for path in directory.glob(".*.tmp"):
+        path.unlink(missing_ok=True)
+
+
 def save(
     state: dict[str, Any], directory: Path, step: int, keep: int, accuracy: float | None
 ) -> Path:
-    """Write `state` as `step_<step>.pt`, update best.json, then prune old checkpoints.
+    """Write `state` as `step_<step>.pt` with its manifest, update best.json, prune old ones.
 
-    Call on rank 0 only. Pruning happens after the new file is durable, so the newest good
-    checkpoint is never removed before its successor exists.
+    Call on rank 0 only. The new file is read back and checked against the hash of what was
+    written before its manifest exists, and pruning happens only after that: the newest good
+    checkpoint is never removed before its successor is verified.
     """
+    faults.fire("save", "begin", 0)
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(directory)
     path = directory / f"step_{step}.pt"
-    atomic_write_bytes(path, lambda f: torch.save(state, f))
+    manifest_path(path).unlink(missing_ok=True)  # a step_<step> being replaced is not valid
+    hashed: list[_HashingWriter] = []
+
+    def write(f: BinaryIO) -> None:
+        writer = _HashingWriter(f)
+        torch.save(state, writer)
+        hashed.append(writer)
+        f.flush()
+        faults.fire("save", "written", 0)
+
+    atomic_write_bytes(path, write)
+    faults.fire("save", "renamed", 0)
+    expected = hashed[0].sha256.hexdigest()
+    actual = file_sha256(path)
+    if actual != expected or path.stat().st_size != hashed[0].bytes:
+        path.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"checkpoint {path} reads back differently from what was written "
+            f"(sha256 {actual} != {expected}): storage is corrupting writes"
+        )
+    manifest = {"file": path.name, "bytes": hashed[0].bytes, "sha256": expected, "step": step}
+    payload = (json.dumps(manifest) + "\n").encode()
+    atomic_write_bytes(manifest_path(path), lambda f: f.write(payload))
+    faults.fire("save", "manifest", 0)
     best = read_best(directory)
     if best is not None and best["step"] > step:  # left by an abandoned later run: stale
         best = None
     if accuracy is not None and (best is None or accuracy > best["accuracy"]):
         best = {"step": step, "accuracy": accuracy}
-        payload = json.dumps(best).encode()
-        atomic_write_bytes(directory / BEST_FILE, lambda f: f.write(payload))
+        best_payload = json.dumps(best).encode()
+        atomic_write_bytes(directory / BEST_FILE, lambda f: f.write(best_payload))
     _prune(directory, keep, step, best["step"] if best else None)
-    log.info("saved checkpoint %s", path)
+    log.info("saved checkpoint %s (%d bytes, sha256 %s)", path, hashed[0].bytes, expected[:12])
     return path
 
 
@@ -96,12 +176,17 @@ def _prune(directory: Path, keep: int, saved_step: int, best_step: int | None) -
     """Delete all but the newest `keep` checkpoints up to `saved_step`, and the best one.
 
     Checkpoints of later steps (unloadable ones that a resume skipped) are left alone; the one
-    just written is always kept.
+    just written is always kept. A checkpoint's .pt goes before its manifest, so a kill in
+    between leaves an incomplete checkpoint (skipped), never a manifest that vouches for nothing.
     """
     older = [(step, path) for step, path in list_checkpoints(directory) if step <= saved_step]
     for step, path in older[:-keep]:
         if step not in (best_step, saved_step):
             path.unlink(missing_ok=True)
+            manifest_path(path).unlink(missing_ok=True)
+    for orphan in directory.glob("step_*.manifest.json"):
+        if not orphan.with_name(orphan.name.removesuffix(".manifest.json") + ".pt").exists():
+            orphan.unlink(missing_ok=True)
 
 
 def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) -> None:
@@ -123,15 +208,53 @@ def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) 
         )
 
 
-def load(path: str | Path, device: torch.device) -> dict[str, Any]:
-    """Load a checkpoint onto `device` with `weights_only=True` (no code from the file runs)."""
-    path = Path(path)
+def verify(path: Path) -> None:
+    """Check `path` against its manifest: present, complete, same bytes as were written."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.stat().st_size == 0:
+    size = path.stat().st_size
+    if size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
+    manifest_file = manifest_path(path)
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        expected_bytes, expected_sha = int(manifest["bytes"]), str(manifest["sha256"])
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path} has no manifest {manifest_file.name}: its save did not finish"
+        ) from None
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise CheckpointError(f"checkpoint manifest {manifest_file} is unreadable: {err}") from None
+    if size != expected_bytes:
+        raise CheckpointError(
+            f"checkpoint {path} is {size} bytes but its manifest says {expected_bytes}: truncated "
+            "or overwritten"
+        )
+    actual = file_sha256(path)
+    if actual != expected_sha:
+        raise CheckpointError(
+            f"checkpoint {path} fails its checksum (sha256 {actual[:16]}..., manifest says "
+            f"{expected_sha[:16]}...): the file is corrupted"
+        )
+
+
+def load(path: str | Path, device: torch.device) -> dict[str, Any]:
+    """Verify `path` against its manifest, then load it onto `device` with `weights_only=True`.
+
+    `weights_only` unpickles tensors, containers and plain values only: a file carrying any
+    other Python object is refused and none of its code runs. There is no unsafe fallback.
+    """
+    path = Path(path)
+    verify(path)
     try:
         state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {path} is refused: it holds Python objects that safe loading "
+            f"(torch.load weights_only=True) does not allow, so it was not written by this "
+            f"pipeline or was tampered with; nothing in it was run ({first_line})"
+        ) from err
     except Exception as err:  # torch reports truncation as a bare zip-reader error
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
     if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
@@ -147,8 +270,9 @@ def load_for_resume(
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint `--ckpt.resume` asks for, loaded, or None to start from scratch.
 
-    `auto` takes the newest checkpoint that loads, skipping (with a warning) any that do not;
-    if checkpoints exist but none loads it raises rather than silently starting over.
+    `auto` takes the newest checkpoint that verifies and loads, skipping (with a warning) any
+    that do not; if checkpoints exist but none loads it raises rather than silently starting
+    over.
     """
     if resume == "never":
         return None
@@ -169,3 +293,57 @@ def load_for_resume(
             "--ckpt.resume=never to start from scratch"
         )
     return None
+
+
+def to_host(state: Any) -> Any:
+    """A copy of `state` whose tensors live in host memory, detached from the live ones."""
+    if isinstance(state, torch.Tensor):
+        if state.device.type == "cpu":
+            return state.detach().clone()
+        return state.detach().to("cpu", non_blocking=False)
+    if isinstance(state, dict):
+        return {key: to_host(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(to_host(value) for value in state)
+    return state
+
+
+class AsyncSaver:
+    """Writes checkpoints in a background thread; training stalls only for the host copy.
+
+    At most one write is in flight: `save` first waits for the previous one. A failed write
+    is re-raised by the next `save` or `wait`, so no error is lost. Atomicity is `save`'s.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(
+        self,
+        state: dict[str, Any],
+        directory: Path,
+        step: int,
+        keep: int,
+        accuracy: float | None,
+    ) -> None:
+        self.wait()
+        host_state = to_host(state)
+
+        def run() -> None:
+            try:
+                save(host_state, directory, step, keep, accuracy)
+            except BaseException as err:  # handed to the training thread by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import math
+import signal
 import sys
 import tomllib
 import typing
@@ -44,8 +45,23 @@ class RunConfig:
         ),
     )
 
+    preempt_signals: tuple[str, ...] = field(
+        default=("SIGTERM", "SIGUSR2"),
+        metadata=doc(
+            "signals that make every rank checkpoint at the next step boundary and exit with "
+            "code 75 (torchrun forwards SIGTERM to its workers)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         _require(bool(self.dir.strip()), "run.dir", self.dir, "give a directory path")
+        for name in self.preempt_signals:
+            _require(
+                name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"),
+                "run.preempt_signals",
+                name,
+                "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught)",
+            )
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,14 @@ class DataConfig:
         metadata=doc(
             "samples per rank per micro-step; global batch = batch_size x world size x "
             "train.grad_accum_steps"
+        ),
+    )
+    global_batch_size: int = field(
+        default=0,
+        metadata=doc(
+            "samples per optimizer step over all ranks and micro-steps; when set, batch_size is "
+            "derived from it (it must divide by world size x train.grad_accum_steps), so the "
+            "training math stays the same on any number of ranks; 0 = use batch_size"
         ),
     )
     eval_batch_size: int = field(default=512, metadata=doc("samples per rank per eval forward"))
@@ -114,6 +138,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(self.subset >= 0, "data.subset", self.subset, "use 0 for all or a positive count")
+        _require(
+            self.global_batch_size >= 0,
+            "data.global_batch_size",
+            self.global_batch_size,
+            "use 0 to set data.batch_size per rank, or a positive count",
+        )
         _require(self.batch_size >= 1, "data.batch_size", self.batch_size, "must be >= 1")
         _require(
             self.eval_batch_size >= 1, "data.eval_batch_size", self.eval_batch_size, "must be >= 1"
@@ -295,9 +325,22 @@ class TrainConfig:
         metadata=doc("seed of model init, data order and augmentation (same on every rank)"),
     )
     compile: bool = field(default=False, metadata=doc("wrap the model in torch.compile"))
+    max_nonfinite_steps: int = field(
+        default=5,
+        metadata=doc(
+            "consecutive optimizer steps with a non-finite loss or gradient (each skipped on "
+            "every rank) after which the run stops with exit code 3"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
+        _require(
+            self.max_nonfinite_steps >= 1,
+            "train.max_nonfinite_steps",
+            self.max_nonfinite_steps,
+            "must be >= 1",
+        )
         _require(
             self.max_steps >= 0,
             "train.max_steps",
@@ -322,6 +365,13 @@ class CkptConfig:
     keep: int = field(
         default=2,
         metadata=doc("newest checkpoints to keep (the best one by eval accuracy is kept as well)"),
+    )
+    async_save: bool = field(
+        default=False,
+        metadata=doc(
+            "write checkpoints in a background thread; training waits only for the copy to "
+            "host memory (the last and the preemption checkpoint are always waited for)"
+        ),
     )
     resume: str = field(
         default="auto",
@@ -414,6 +464,23 @@ class Config:
     def fingerprint(self) -> str:
         """Short hash of the resolved configuration, for logs and checkpoint compatibility."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+def for_world_size(cfg: Config, world_size: int) -> Config:
+    """`cfg` with data.batch_size derived from data.global_batch_size, when that is set."""
+    total = cfg.data.global_batch_size
+    if total == 0:
+        return cfg
+    per_step = world_size * cfg.train.grad_accum_steps
+    if total % per_step:
+        raise ConfigError(
+            f"data.global_batch_size={total} does not divide by world size {world_size} x "
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps} = {per_step}: choose a "
+            "multiple of it, or set data.batch_size per rank instead"
+        )
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, batch_size=total // per_step)
+    )
 
 
 def global_batch_size(cfg: Config, world_size: int) -> int:

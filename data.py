@@ -320,11 +320,12 @@ class Augmented(Dataset):
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+        """(image, label, index): the index lets the trainer account for every sample seen."""
         epoch, index = key
         image, label = self.base[index]
         if not self.enabled:
-            return image, label
+            return image, label, index
         h = _mix64(self.seed, epoch, index)
         if self.padding:
             span = 2 * self.padding + 1
@@ -333,16 +334,21 @@ class Augmented(Dataset):
             image = TF.crop(TF.pad(image, [self.padding] * 4), top, left, height, width)
         if (h >> 32) & 1:
             image = TF.horizontal_flip(image)
-        return image, label
+        return image, label, index
 
 
 class EpochSampler(DistributedSampler):
-    """DistributedSampler that yields (epoch, index) and can skip samples already consumed.
+    """DistributedSampler's seeded order and sharding, yielding (epoch, index) pairs, resumable
+    at any global position of the epoch and with any world size.
 
-    Shuffling is seeded by (seed, epoch) exactly as in DistributedSampler, so every rank
-    computes the same permutation and takes its own disjoint stride of it. `drop_last` is on:
-    every rank gets the same number of samples (unequal counts would leave one rank waiting
-    in a gradient all-reduce that the others never join).
+    The epoch's order is DistributedSampler's permutation, seeded by (seed, epoch), the same on
+    every rank. Ranks take interleaved strides of it, so after every rank has consumed c
+    samples the epoch has consumed exactly the first `world_size * c` entries of the order,
+    whatever the world size. `set_epoch(epoch, consumed)` hands each rank its stride of the
+    rest: a resumed run (with the same or another world size) sees every remaining sample of
+    the epoch once and none it already trained on. Every rank gets the same number of samples
+    (the tail that does not divide evenly is dropped, as with drop_last): unequal counts would
+    leave one rank waiting in a gradient all-reduce the others never join.
     """
 
     def __init__(self, dataset: Dataset, info: DistInfo, seed: int) -> None:
@@ -354,19 +360,30 @@ class EpochSampler(DistributedSampler):
             seed=seed,
             drop_last=True,
         )
-        self.skip = 0
+        self.consumed = 0
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        """Start `epoch`, leaving out this rank's first `skip` samples (already trained on)."""
+    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        """Start `epoch` after the first `consumed` samples of its order (summed over ranks)."""
+        if not 0 <= consumed <= len(self.dataset):  # type: ignore[arg-type]
+            raise ValueError(f"consumed={consumed} is outside an epoch of {len(self.dataset)}")  # type: ignore[arg-type]
         super().set_epoch(epoch)
-        self.skip = skip
+        self.consumed = consumed
+
+    def order(self) -> list[int]:
+        """This epoch's permutation of the dataset (DistributedSampler's, shuffle=True)."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        indices = list(super().__iter__())[self.skip :]
-        return iter([(self.epoch, index) for index in indices])
+        start = self.consumed + self.rank
+        stop = self.consumed + len(self) * self.num_replicas
+        return iter(
+            [(self.epoch, index) for index in self.order()[start : stop : self.num_replicas]]
+        )
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        return (len(self.dataset) - self.consumed) // self.num_replicas  # type: ignore[arg-type]
 
 
 class ShardSampler(Sampler[int]):
@@ -436,11 +453,14 @@ def build_eval_loader(splits: DataSplits, cfg: DataConfig, info: DistInfo, seed:
     )
 
 
-def set_epoch(loader: DataLoader, epoch: int, samples_done: int = 0) -> None:
-    """The one place that advances the training sampler: call once at the top of every epoch."""
+def set_epoch(loader: DataLoader, epoch: int, consumed: int = 0) -> None:
+    """The one place that advances the training sampler: call once at the top of every epoch.
+
+    `consumed`: samples of the epoch already trained on, summed over ranks (0 for a new epoch).
+    """
     sampler = loader.sampler
     assert isinstance(sampler, EpochSampler)
-    sampler.set_epoch(epoch, skip=samples_done)
+    sampler.set_epoch(epoch, consumed)
 
 
 class Preprocess:

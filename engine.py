@@ -84,7 +84,7 @@ class StepStats:
     grad_norm: torch.Tensor  # global gradient L2 norm before clipping
 
 
-def train_step(
+def forward_backward(
     model: nn.Module,
     micro_batches: Sequence[Batch],
     optimizer: torch.optim.Optimizer,
@@ -93,7 +93,8 @@ def train_step(
     amp_dtype: torch.dtype | None,
     grad_clip: float,
 ) -> StepStats:
-    """One optimizer step over `len(micro_batches)` accumulated micro-batches.
+    """Gradients of one optimizer step over `len(micro_batches)` accumulated micro-batches,
+    unscaled and clipped, ready for `apply_update` (or to be dropped if the step is skipped).
 
     The loss of each micro-batch is divided by their number so the accumulated gradient is
     the mean over all of them, the same as one batch of the combined size. DDP averages over
@@ -115,10 +116,33 @@ def train_step(
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     max_norm = grad_clip if grad_clip > 0 else math.inf
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
+    return StepStats(loss_sum, correct, sum(len(labels) for _, labels in micro_batches), grad_norm)
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skip: bool = False
+) -> None:
+    """Step the optimizer with the gradients `forward_backward` left, or drop them (`skip`):
+    a skipped step leaves parameters and optimizer state exactly as they were."""
+    if not skip:
+        scaler.step(optimizer)  # with fp16 the scaler itself skips steps with inf gradients
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_sum, correct, sum(len(labels) for _, labels in micro_batches), grad_norm)
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: Sequence[Batch],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    loss_fn: nn.Module,
+    amp_dtype: torch.dtype | None,
+    grad_clip: float,
+) -> StepStats:
+    """`forward_backward` then `apply_update`: one optimizer step with no skip logic."""
+    stats = forward_backward(model, micro_batches, optimizer, scaler, loss_fn, amp_dtype, grad_clip)
+    apply_update(optimizer, scaler)
+    return stats
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,23 @@ class TrainMeter:
         self._reset()
 
     def _reset(self) -> None:
-        # loss sum, correct, samples, data-wait seconds, step seconds (summed over ranks later)
-        self.totals = torch.zeros(5, device=self.device, dtype=torch.float64)
+        # loss sum, correct and samples of applied steps; data-wait seconds, step seconds,
+        # samples of all steps (skipped ones too) -- summed over ranks in `reduce`
+        self.totals = torch.zeros(6, device=self.device, dtype=torch.float64)
         self.data_wait_s = 0.0
+        self.samples = 0
+        self.skipped = 0
         self.started = time.perf_counter()
 
-    def update(self, stats: StepStats, data_wait_s: float) -> None:
-        self.totals[0] += stats.loss_sum
-        self.totals[1] += stats.correct
-        self.totals[2] += stats.num_samples
+    def update(self, stats: StepStats, data_wait_s: float, skipped: bool = False) -> None:
+        """Add one step. A skipped step's (non-finite) loss stays out of the averages."""
+        if skipped:
+            self.skipped += 1  # the same on every rank: the skip decision is global
+        else:
+            self.totals[0] += stats.loss_sum
+            self.totals[1] += stats.correct
+            self.totals[2] += stats.num_samples
+        self.samples += stats.num_samples
         self.data_wait_s += data_wait_s
 
     def reduce(self) -> dict[str, float]:
@@ -42,14 +50,19 @@ class TrainMeter:
         elapsed = time.perf_counter() - self.started
         self.totals[3] = self.data_wait_s
         self.totals[4] = elapsed
-        loss_sum, correct, samples, wait, busy = distributed.all_reduce_sum(self.totals).tolist()
+        self.totals[5] = self.samples
+        skipped = self.skipped
+        loss_sum, correct, samples, wait, busy, all_samples = distributed.all_reduce_sum(
+            self.totals
+        ).tolist()
         self._reset()
         mean_elapsed = busy / self.world_size
         return {
-            "loss": loss_sum / max(samples, 1.0),
-            "accuracy": correct / max(samples, 1.0),
-            "samples_per_s": samples / mean_elapsed if mean_elapsed > 0 else 0.0,
+            "loss": loss_sum / samples if samples else float("nan"),
+            "accuracy": correct / samples if samples else float("nan"),
+            "samples_per_s": all_samples / mean_elapsed if mean_elapsed > 0 else 0.0,
             "data_wait_frac": wait / busy if busy > 0 else 0.0,
+            "skipped_steps": skipped,
         }
 
 

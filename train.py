@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,10 @@ import checkpoint
 import data
 import distributed
 import engine
+import faults
 import preflight
-from config import Config, ConfigError, global_batch_size, parse_args
+import resilience
+from config import Config, ConfigError, for_world_size, global_batch_size, parse_args
 from distributed import DistInfo
 from metrics import MetricsWriter, TrainMeter
 from model import MiniResNet
@@ -55,10 +58,15 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Position:
-    """Where training stands: optimizer steps done, and how far into which epoch."""
+    """Where training stands: optimizer steps done, and how far into which epoch.
+
+    `samples_in_epoch` (summed over ranks) is what a resume continues from; it means the same
+    on any world size. `step_in_epoch` is for the logs.
+    """
 
     step: int = 0
     epoch: int = 0
+    samples_in_epoch: int = 0
     step_in_epoch: int = 0
 
 
@@ -75,8 +83,18 @@ class Job:
     train_loader: torch.utils.data.DataLoader
     eval_loader: torch.utils.data.DataLoader
     preprocess: data.Preprocess
-    steps_per_epoch: int
+    steps_per_epoch: int  # optimizer steps in a whole epoch
     total_steps: int
+    num_train: int  # training samples per epoch, before the split over ranks
+    data_fingerprint: str
+    saver: checkpoint.AsyncSaver | None
+    ledger: resilience.SampleLedger
+
+
+def steps_left_in_epoch(cfg: Config, info: DistInfo, num_train: int, consumed: int) -> int:
+    """Whole optimizer steps the rest of an epoch holds after `consumed` samples (all ranks)."""
+    per_rank = (num_train - consumed) // info.world_size
+    return per_rank // cfg.data.batch_size // cfg.train.grad_accum_steps
 
 
 def write_config(cfg: Config, run_dir: Path) -> None:
@@ -142,27 +160,33 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
 
 def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)
+    data_fingerprint = data.fingerprint(splits)
     if cfg.dist.preflight:
-        preflight.check(info, data.fingerprint(splits), cfg.fingerprint())
+        preflight.check(info, data_fingerprint, cfg.fingerprint())
     if cfg.dist.preflight_bandwidth:
         preflight.bandwidth(info)
     # After preflight, so that a run.dir differing between nodes is reported as a config
     # mismatch rather than as a run dir that is not shared.
     check_run_dir_shared(info, Path(cfg.run.dir))
     train_loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
-    accum = cfg.train.grad_accum_steps
-    steps_per_epoch = len(train_loader) // accum
+    num_train = len(splits.train)  # type: ignore[arg-type]
+    steps_per_epoch = steps_left_in_epoch(cfg, info, num_train, 0)
     if steps_per_epoch == 0:
         raise ConfigError(
             f"an epoch has {len(train_loader)} micro-batches per rank, fewer than "
-            f"train.grad_accum_steps={accum}: lower it or data.batch_size"
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps}: lower it or data.batch_size"
         )
     resumed = load_resume_state(cfg, info)
-    pos = Position() if resumed is None else resume_position(cfg, info, *resumed, steps_per_epoch)
+    pos = Position()
+    if resumed is not None:
+        pos = resume_position(cfg, info, *resumed, num_train, data_fingerprint)
     # Steps left = the rest of this epoch + whole epochs after it; counted from `pos` so that a
     # run resumed with another world size (another steps_per_epoch) still ends after cfg epochs.
-    remaining = (cfg.train.epochs - pos.epoch) * steps_per_epoch - pos.step_in_epoch
-    total_steps = pos.step + max(0, remaining)
+    remaining = 0
+    if pos.epoch < cfg.train.epochs:
+        remaining = steps_left_in_epoch(cfg, info, num_train, pos.samples_in_epoch)
+        remaining += (cfg.train.epochs - pos.epoch - 1) * steps_per_epoch
+    total_steps = pos.step + remaining
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     model = build_model(cfg, splits, info)
@@ -170,9 +194,11 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
     scheduler = engine.build_scheduler(optimizer, cfg.optim, total_steps)
     amp_dtype = engine.resolve_amp(cfg.train.amp, info.device)
     scaler = engine.make_scaler(info.device, amp_dtype)
+    ledger = resilience.SampleLedger()
     if resumed is not None:
         # Into the bare model, before wrapping: DDP then starts from the loaded weights.
         load_states(*resumed, model, optimizer, scheduler, scaler)
+        restore_progress(info, *resumed, pos, ledger)
     wrapped = distributed.wrap_model(model, info)
     if cfg.train.compile:
         wrapped = torch.compile(wrapped)
@@ -188,6 +214,10 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
         preprocess=data.Preprocess(splits, info.device, cfg.model.channels_last),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
+        num_train=num_train,
+        data_fingerprint=data_fingerprint,
+        saver=checkpoint.AsyncSaver() if cfg.ckpt.async_save else None,
+        ledger=ledger,
     )
     return job, pos
 
@@ -230,10 +260,13 @@ REQUIRED_KEYS = (
     "scaler",
     "step",
     "epoch",
+    "samples_in_epoch",
     "step_in_epoch",
     "world_size",
     "global_batch_size",
     "config",
+    "rng",
+    "ledger",
 )
 # Settings whose change alters the math of the resumed run; reported when they differ.
 MATH_SECTIONS = ("data", "model", "optim", "train")
@@ -243,33 +276,40 @@ NON_MATH_KEYS = {
     "data.num_workers",
     "data.prefetch_factor",
     "data.eval_batch_size",
+    "data.batch_size",  # the global batch is compared instead
+    "data.global_batch_size",
     "train.epochs",
     "train.max_steps",
     "train.compile",
+    "train.max_nonfinite_steps",
 }
 
 
 def resume_position(
-    cfg: Config, info: DistInfo, path: Path, state: dict[str, Any], steps_per_epoch: int
+    cfg: Config,
+    info: DistInfo,
+    path: Path,
+    state: dict[str, Any],
+    num_train: int,
+    data_fingerprint: str,
 ) -> Position:
+    """Where the checkpoint left off, after checking that this run can continue from there.
+
+    A different world size is fine, also mid-epoch: the position is a count of samples, and
+    the sampler hands the new ranks the rest of the epoch. Changes of the training math
+    (global batch, schedule, model, data) are reported, not refused.
+    """
     missing = [key for key in REQUIRED_KEYS if key not in state]
     if missing:
         raise checkpoint.CheckpointError(
-            f"checkpoint {path} lacks {', '.join(missing)}: not written by this pipeline"
+            f"checkpoint {path} lacks {', '.join(missing)}: not written by this version of "
+            "the pipeline"
         )
-    pos = Position(state["step"], state["epoch"], state["step_in_epoch"])
-    this_batch = global_batch_size(cfg, info.world_size)
-    if pos.step_in_epoch and state["global_batch_size"] != this_batch:
+    pos = Position(state["step"], state["epoch"], state["samples_in_epoch"], state["step_in_epoch"])
+    if pos.samples_in_epoch > num_train:
         raise ConfigError(
-            f"checkpoint {path} stopped mid-epoch with a global batch of "
-            f"{state['global_batch_size']} ({state['world_size']} ranks); this run has "
-            f"{this_batch} ({info.world_size} ranks). Resume with the same batch settings to "
-            "finish the epoch exactly, or from an end-of-epoch checkpoint"
-        )
-    if pos.step_in_epoch >= steps_per_epoch:
-        raise ConfigError(
-            f"checkpoint {path} is {pos.step_in_epoch} steps into epoch {pos.epoch}, but an "
-            f"epoch of this run has {steps_per_epoch} steps: the dataset or subset changed"
+            f"checkpoint {path} is {pos.samples_in_epoch} samples into epoch {pos.epoch}, but an "
+            f"epoch of this run has {num_train} samples: the dataset or data.subset changed"
         )
     old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
     changed = [
@@ -279,18 +319,40 @@ def resume_position(
         and key not in NON_MATH_KEYS
         and old.get(key) != new[key]
     ]
+    this_batch = global_batch_size(cfg, info.world_size)
+    if state["global_batch_size"] != this_batch:
+        changed.append(
+            f"global batch {state['global_batch_size']} ({state['world_size']} ranks) -> "
+            f"{this_batch} ({info.world_size} ranks)"
+        )
+    if state.get("data_fingerprint", data_fingerprint) != data_fingerprint:
+        changed.append("the training or evaluation data")
     if changed:
         log.warning(
             "resuming %s with settings that change the training math: %s", path, "; ".join(changed)
         )
     log.info(
-        "resuming from %s at step %d (epoch %d, step %d of it)",
+        "resuming from %s at step %d (epoch %d, %d samples into it)",
         path,
         pos.step,
         pos.epoch,
-        pos.step_in_epoch,
+        pos.samples_in_epoch,
     )
     return pos
+
+
+def restore_progress(
+    info: DistInfo, path: Path, state: dict[str, Any], pos: Position, ledger: Any
+) -> None:
+    """Random generators of this rank and the sample ledger of the epoch in progress."""
+    rng_states = state["rng"]
+    if state["world_size"] == info.world_size:
+        resilience.set_rng_state(rng_states[info.rank])
+    else:  # no saved state for this rank: a fresh, deterministic one
+        seed_everything(int(state["config"]["train"]["seed"]) + info.rank + 7919 * pos.step)
+        log.info("world size changed: random generators reseeded from (seed, rank, step)")
+    if state["ledger"]["epoch"] == pos.epoch:
+        ledger.start_epoch(list(state["ledger"]["totals"]))
 
 
 def _flatten(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -325,87 +387,168 @@ def load_states(
 
 
 def save_checkpoint(
-    cfg: Config, info: DistInfo, job: Job, pos: Position, accuracy: float | None
+    cfg: Config,
+    info: DistInfo,
+    job: Job,
+    pos: Position,
+    accuracy: float | None,
+    wait: bool = False,
 ) -> None:
     """Rank 0 writes; every rank then learns whether that worked (this is also the barrier).
 
-    Call after `distributed.average_buffers`, so the saved model is the one every rank holds.
+    Averages BatchNorm statistics first, so the saved model is the one every rank holds, and
+    gathers every rank's random generators and sample ledger (collectives: all ranks call).
+    With ckpt.async_save the write finishes in the background unless `wait`; a failure of
+    the previous write is raised here.
     """
+    distributed.average_buffers(job.model)
+    rng_states = distributed.all_gather_object(resilience.rng_state())
+    ledger_totals, _ = job.ledger.totals()
 
     def write() -> None:
+        model = distributed.unwrap_model(job.model)
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise FloatingPointError(
+                    f"refusing to checkpoint step {pos.step}: {name} holds NaN or Inf values"
+                )
         state = {
-            "model": distributed.unwrap_model(job.model).state_dict(),
+            "model": model.state_dict(),
             "optimizer": job.optimizer.state_dict(),
             "scheduler": job.scheduler.state_dict(),
             "scaler": job.scaler.state_dict(),
             "step": pos.step,
             "epoch": pos.epoch,
+            "samples_in_epoch": pos.samples_in_epoch,
             "step_in_epoch": pos.step_in_epoch,
             "eval_accuracy": accuracy,
             "world_size": info.world_size,
             "global_batch_size": global_batch_size(cfg, info.world_size),
+            "rng": rng_states,
+            "ledger": {"epoch": pos.epoch, "totals": ledger_totals},
+            "data_fingerprint": job.data_fingerprint,
             "config": cfg.to_dict(),
             "config_hash": cfg.fingerprint(),
             "torch_version": str(torch.__version__),  # a plain str: weights_only loads it
         }
         directory = checkpoint.checkpoint_dir(cfg.run.dir)
-        checkpoint.save(state, directory, pos.step, cfg.ckpt.keep, accuracy)
+        if job.saver is None:
+            checkpoint.save(state, directory, pos.step, cfg.ckpt.keep, accuracy)
+            return
+        job.saver.save(state, directory, pos.step, cfg.ckpt.keep, accuracy)
+        if wait:
+            job.saver.wait()
 
     distributed.run_on_main(info, f"saving the step {pos.step} checkpoint", write)
 
 
-def train_epoch(
-    cfg: Config,
-    info: DistInfo,
-    job: Job,
-    pos: Position,
-    meter: TrainMeter,
-    writer: MetricsWriter,
-    bar: Any,
-) -> None:
-    """Optimizer steps from `pos` to the end of the epoch (or of the run)."""
+def finish_saving(info: DistInfo, job: Job) -> None:
+    """Collective: wait for a background checkpoint write; raise everywhere if it failed."""
+    if job.saver is not None:
+        distributed.run_on_main(info, "finishing the last checkpoint", job.saver.wait)
+
+
+class _PoisonedLoss(nn.Module):
+    """Fault injection: the wrapped loss times NaN (see faults.py)."""
+
+    def __init__(self, loss_fn: nn.Module) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, labels) * float("nan")
+
+
+@dataclass
+class Loop:
+    """The per-run helpers the training loop reports to."""
+
+    meter: TrainMeter
+    writer: MetricsWriter
+    guard: resilience.StepGuard
+    preemption: resilience.PreemptionHandler
+    watchdog: resilience.Watchdog
+    started: float  # time.perf_counter() when training started (for time_s in the metrics)
+    bar: Any = None
+
+
+def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop) -> str | None:
+    """Optimizer steps from `pos` to the end of the epoch (or of the run).
+
+    Returns the name of the preemption signal when the ranks agreed to stop, else None.
+    """
     accum = cfg.train.grad_accum_steps
-    data.set_epoch(job.train_loader, pos.epoch, pos.step_in_epoch * accum * cfg.data.batch_size)
+    steps = min(
+        steps_left_in_epoch(cfg, info, job.num_train, pos.samples_in_epoch),
+        job.total_steps - pos.step,
+    )
+    data.set_epoch(job.train_loader, pos.epoch, pos.samples_in_epoch)
     batches = iter(job.train_loader)
     job.model.train()
-    while pos.step_in_epoch < job.steps_per_epoch and pos.step < job.total_steps:
+    samples_per_step = global_batch_size(cfg, info.world_size)
+    for i in range(steps):
+        loop.watchdog.beat(pos.step, "data loading")
+        faults.fire("step", pos.step, info.rank)
         started = time.perf_counter()
-        micro_batches = [job.preprocess(*next(batches)) for _ in range(accum)]
+        micro_batches = []
+        for _ in range(accum):
+            images, labels, indices = next(batches)
+            job.ledger.add(indices)
+            micro_batches.append(job.preprocess(images, labels))
         data_wait = time.perf_counter() - started
-        stats = engine.train_step(
+        loop.watchdog.beat(pos.step, "forward/backward")
+        loss_fn = job.loss_fn
+        if faults.poison_loss(pos.step, info.rank):
+            loss_fn = _PoisonedLoss(loss_fn)
+        stats = engine.forward_backward(
             job.model,
             micro_batches,
             job.optimizer,
             job.scaler,
-            job.loss_fn,
+            loss_fn,
             job.amp_dtype,
             cfg.optim.grad_clip,
         )
+        verdict = loop.guard.agree(
+            stats.loss_sum, stats.grad_norm, loop.preemption.received, pos.step + 1
+        )
+        engine.apply_update(job.optimizer, job.scaler, skip=verdict.skip)
         job.scheduler.step()
         pos.step += 1
         pos.step_in_epoch += 1
-        meter.update(stats, data_wait)
-        if bar is not None:
-            bar.update(1)
+        pos.samples_in_epoch += samples_per_step
+        loop.meter.update(stats, data_wait, skipped=verdict.skip)
+        if loop.bar is not None:
+            loop.bar.update(1)
         if pos.step % cfg.log.every_steps == 0 or pos.step == job.total_steps:
-            log_train(writer, meter, pos, job.scheduler.get_last_lr()[0])
+            log_train(loop, pos, job.scheduler.get_last_lr()[0])
+        if verdict.stop is not None:
+            return verdict.stop
         # The end of an epoch (or of the run) is saved by the caller, after evaluation.
-        segment_ends = pos.step_in_epoch == job.steps_per_epoch or pos.step == job.total_steps
+        segment_ends = i == steps - 1
         if cfg.ckpt.every_steps and pos.step % cfg.ckpt.every_steps == 0 and not segment_ends:
-            distributed.average_buffers(job.model)
+            loop.watchdog.beat(pos.step, "checkpointing")
             save_checkpoint(cfg, info, job, pos, None)
+    return None
 
 
-def evaluate(info: DistInfo, job: Job) -> engine.EvalResult:
+def evaluate(
+    info: DistInfo, job: Job, watchdog: resilience.Watchdog, step: int
+) -> engine.EvalResult:
     distributed.average_buffers(job.model)  # every rank evaluates the same model
-    batches = (job.preprocess(images, labels) for images, labels in job.eval_loader)
-    return engine.evaluate(job.model, batches, info.device, job.amp_dtype)
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels in job.eval_loader:
+            watchdog.beat(step, "evaluation")
+            yield job.preprocess(images, labels)
+
+    return engine.evaluate(job.model, batches(), info.device, job.amp_dtype)
 
 
-def log_train(writer: MetricsWriter, meter: TrainMeter, pos: Position, lr: float) -> None:
-    figures = meter.reduce()  # a collective: every rank logs at the same steps
+def log_train(loop: Loop, pos: Position, lr: float) -> None:
+    figures = loop.meter.reduce()  # a collective: every rank logs at the same steps
     log.info(
-        "step %d epoch %d loss %.4f acc %.4f lr %.4g %.0f samples/s data-wait %.1f%%",
+        "step %d epoch %d loss %.4f acc %.4f lr %.4g %.0f samples/s data-wait %.1f%%%s",
         pos.step,
         pos.epoch,
         figures["loss"],
@@ -413,27 +556,47 @@ def log_train(writer: MetricsWriter, meter: TrainMeter, pos: Position, lr: float
         lr,
         figures["samples_per_s"],
         100 * figures["data_wait_frac"],
+        f" skipped {loop.guard.skipped_total}" if loop.guard.skipped_total else "",
     )
-    writer.write({"kind": "train", "step": pos.step, "epoch": pos.epoch, "lr": lr, **figures})
+    loop.writer.write(
+        {
+            "kind": "train",
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "time_s": time.perf_counter() - loop.started,
+            "lr": lr,
+            **figures,
+            "skipped_steps_total": loop.guard.skipped_total,
+        }
+    )
 
 
-def log_eval(writer: MetricsWriter, result: engine.EvalResult, pos: Position) -> None:
+def log_eval(job: Job, loop: Loop, result: engine.EvalResult, pos: Position) -> None:
+    """The evaluation row, with the epoch's sample ledger so far (a collective)."""
+    totals, per_rank = job.ledger.totals()
     log.info(
-        "eval step %d epoch %d loss %.4f accuracy %.4f on %d samples",
+        "eval step %d epoch %d loss %.4f accuracy %.4f on %d samples; epoch trained on %d "
+        "samples, digest %s",
         pos.step,
         pos.epoch,
         result.loss,
         result.accuracy,
         result.num_samples,
+        totals[0],
+        resilience.digest(totals),
     )
-    writer.write(
+    loop.writer.write(
         {
             "kind": "eval",
             "step": pos.step,
             "epoch": pos.epoch,
+            "time_s": time.perf_counter() - loop.started,
             "loss": result.loss,
             "accuracy": result.accuracy,
             "num_samples": result.num_samples,
+            "epoch_samples_seen": totals[0],
+            "epoch_sample_digest": resilience.digest(totals),
+            "sample_digest_per_rank": [resilience.digest(part) for part in per_rank],
         }
     )
 
@@ -449,6 +612,17 @@ def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
 
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
+    preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
+    preemption.install()  # early: a signal during start-up still stops at the first step
+    try:
+        return _train(cfg, info, run_dir, preemption)
+    finally:
+        preemption.restore()
+
+
+def _train(
+    cfg: Config, info: DistInfo, run_dir: Path, preemption: resilience.PreemptionHandler
+) -> dict[str, Any]:
     distributed.run_on_main(
         info, f"creating run.dir={run_dir}", lambda: run_dir.mkdir(parents=True, exist_ok=True)
     )
@@ -472,18 +646,44 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     )
     writer = MetricsWriter(run_dir, info.is_main, cfg.log.tensorboard)
     distributed.run_on_main(info, "opening metrics.jsonl and tensorboard", writer.open)
-    meter = TrainMeter(info.device, info.world_size)
+    loop = Loop(
+        meter=TrainMeter(info.device, info.world_size),
+        writer=writer,
+        guard=resilience.StepGuard(
+            info, cfg.train.max_nonfinite_steps, check_grad=not job.scaler.is_enabled()
+        ),
+        preemption=preemption,
+        watchdog=resilience.Watchdog(info, cfg.dist.timeout_s),
+        started=time.perf_counter(),
+    )
     result: engine.EvalResult | None = None
+    loop.watchdog.start()
     try:
-        with progress_bar(cfg, info, job.total_steps, pos.step) as bar:
+        with progress_bar(cfg, info, job.total_steps, pos.step) as loop.bar:
             while pos.step < job.total_steps:
-                train_epoch(cfg, info, job, pos, meter, writer, bar)
-                result = evaluate(info, job)
-                log_eval(writer, result, pos)
-                if pos.step_in_epoch == job.steps_per_epoch:
-                    pos.epoch, pos.step_in_epoch = pos.epoch + 1, 0
+                stop = train_epoch(cfg, info, job, pos, loop)
+                if stop is not None:
+                    loop.watchdog.beat(pos.step, "checkpointing")
+                    save_checkpoint(cfg, info, job, pos, None, wait=True)
+                    raise resilience.Preempted(stop, pos.step)
+                result = evaluate(info, job, loop.watchdog, pos.step)
+                log_eval(job, loop, result, pos)
+                left = steps_left_in_epoch(cfg, info, job.num_train, pos.samples_in_epoch)
+                if left == 0:
+                    pos.epoch, pos.samples_in_epoch, pos.step_in_epoch = pos.epoch + 1, 0, 0
+                    job.ledger.start_epoch()
+                loop.watchdog.beat(pos.step, "checkpointing")
                 save_checkpoint(cfg, info, job, pos, result.accuracy)
+            finish_saving(info, job)
+    except RuntimeError as err:
+        peers = loop.watchdog.describe_peers()
+        if peers:
+            log.error(
+                "step %d failed (%s). Last heartbeat of each rank: %s", pos.step + 1, err, peers
+            )
+        raise
     finally:
+        loop.watchdog.stop()
         writer.close()
     if result is None:
         log.info("nothing to do: the checkpoint is at step %d of %d", pos.step, job.total_steps)
@@ -498,20 +698,32 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
 
 @distributed.record
 def main(argv: list[str] | None = None) -> int:
+    """Run training; the exit codes are listed in resilience.py and the README."""
     try:
         cfg = parse_args(argv)  # before any process group: a typo fails in seconds
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return resilience.EXIT_BAD_INPUT
     setup_logging(int(os.environ.get("RANK", "0")))
     try:
         info = distributed.setup(cfg.dist)
+        cfg = for_world_size(cfg, info.world_size)
         result = train(cfg, info)
         log.info("done: %s", result)
         return 0
+    except resilience.Preempted as stop:
+        log.warning(
+            "%s: checkpoint written, exiting with code %d; resume with the same command",
+            stop,
+            resilience.EXIT_PREEMPTED,
+        )
+        return resilience.EXIT_PREEMPTED
+    except resilience.DivergedError as err:
+        log.error("%s", err)
+        return resilience.EXIT_DIVERGED
     except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError) as err:
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
-        return 2
+        return resilience.EXIT_BAD_INPUT
     finally:
         distributed.teardown()
 

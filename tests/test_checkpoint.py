@@ -1,10 +1,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import REPO, run_ranks
 from torch import nn
 
 import checkpoint
@@ -122,7 +126,7 @@ def test_retention_keeps_newest_and_best(tmp_path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
-@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage"])
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage", "bitflip", "no_manifest"])
 def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damage) -> None:
     directory = checkpoint.checkpoint_dir(tmp_path)
     for step in (10, 20):
@@ -134,13 +138,26 @@ def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damag
             accuracy=None,
         )
     newest = directory / "step_20.pt"
-    raw = newest.read_bytes()
-    newest.write_bytes(
-        {"truncate": raw[: len(raw) // 2], "empty": b"", "garbage": b"not a checkpoint" * 10}[
-            damage
-        ]
-    )
-    with pytest.raises(checkpoint.CheckpointError, match="step_20.pt"):
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # one bit, inside a tensor's bytes: torch.load alone accepts it
+    damaged = {
+        "truncate": bytes(raw[: len(raw) // 2]),
+        "empty": b"",
+        "garbage": b"not a checkpoint" * 10,
+        "bitflip": bytes(raw),
+        "no_manifest": newest.read_bytes(),
+    }[damage]
+    newest.write_bytes(damaged)
+    if damage == "no_manifest":
+        checkpoint.manifest_path(newest).unlink()
+    reason = {
+        "truncate": "manifest says",
+        "empty": "empty",
+        "garbage": "manifest says",
+        "bitflip": "fails its checksum",
+        "no_manifest": "has no manifest",
+    }[damage]
+    with pytest.raises(checkpoint.CheckpointError, match=f"step_20.pt.*{reason}"):
         checkpoint.load(newest, CPU)
     path, state = checkpoint.load_for_resume("auto", tmp_path, CPU)
     assert path.name == "step_10.pt" and state["step"] == 10
@@ -172,5 +189,137 @@ def test_failed_write_leaves_previous_checkpoint_and_no_partial_file(tmp_path) -
         checkpoint.save(
             {"model": {}, "step": 2, "bad": Unpicklable()}, tmp_path, step=2, keep=1, accuracy=None
         )
-    assert [p.name for p in tmp_path.iterdir()] == ["step_1.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.manifest.json", "step_1.pt"]
     assert checkpoint.load(tmp_path / "step_1.pt", CPU)["step"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Safe loading: pickle payloads are refused and never run
+
+
+class Payload:
+    """Unpickling this creates `marker`: proof that code from the file ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class EvalPayload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (eval, (f"open({self.marker!r}, 'w').close()",))
+
+
+def _payload_checkpoint(tmp_path: Path, variant: str, marker: str) -> Path:
+    directory = checkpoint.checkpoint_dir(tmp_path)
+    objs = training_objects()
+    take_steps(objs, 1, seed=0)
+    state = state_of(objs, 7)
+    if variant == "top_level":
+        state["extra"] = Payload(marker)
+    elif variant == "in_optimizer_state":
+        first = next(iter(state["optimizer"]["state"].values()))
+        first["exp_avg"] = Payload(marker)
+    elif variant == "eval_in_config":
+        state["config"]["run"]["dir"] = EvalPayload(marker)
+    if variant == "legacy_format":
+        path = directory / "step_7.pt"
+        directory.mkdir(parents=True)
+        torch.save({**state, "x": Payload(marker)}, path, _use_new_zipfile_serialization=False)
+    elif variant == "raw_pickle":
+        import pickle
+
+        path = directory / "step_7.pt"
+        directory.mkdir(parents=True)
+        path.write_bytes(pickle.dumps({"model": {}, "step": 7, "x": Payload(marker)}))
+    else:  # written by the pipeline's own save: the manifest vouches for these bytes
+        return checkpoint.save(state, directory, step=7, keep=2, accuracy=None)
+    digest = checkpoint.file_sha256(path)  # a valid manifest: only weights_only stands guard
+    size = path.stat().st_size
+    checkpoint.manifest_path(path).write_text(
+        json.dumps({"file": path.name, "bytes": size, "sha256": digest, "step": 7})
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["top_level", "in_optimizer_state", "eval_in_config", "legacy_format", "raw_pickle"],
+)
+def test_pickle_payload_is_refused_and_never_runs(tmp_path, variant) -> None:
+    marker = str(tmp_path / "payload-ran")
+    path = _payload_checkpoint(tmp_path, variant, marker)
+    assert not os.path.exists(marker)  # saving did not run it either
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_7.pt is refused.*weights_only"):
+        checkpoint.load(path, CPU)
+    with pytest.raises(checkpoint.CheckpointError, match="no usable checkpoint"):
+        checkpoint.load_for_resume("auto", tmp_path, CPU)  # skipped, never loaded unsafely
+    assert not os.path.exists(marker)
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL in the middle of a save
+
+_SAVE_AGAIN = """
+import sys, torch, checkpoint
+state = {"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}
+checkpoint.save(state, checkpoint.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
+"""
+
+
+@pytest.mark.parametrize(
+    ("stage", "survivor"),
+    [("begin", 1), ("partial", 1), ("written", 1), ("renamed", 1), ("manifest", 2)],
+)
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survivor) -> None:
+    """A real SIGKILL at each stage of writing step 2 (keep=1: step 1 is due for deletion).
+    Before the manifest exists step 1 must survive; after it, step 2 is complete."""
+    directory = checkpoint.checkpoint_dir(tmp_path)
+    checkpoint.save({"model": {"w": torch.full((200_000,), 1.0)}, "step": 1}, directory, 1, 1, 0.9)
+    env = {**os.environ, "TRAIN_FAULTS": f"sigkill@save={stage}", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVE_AGAIN, str(tmp_path)], env=env, cwd=REPO, timeout=120
+    )
+    assert proc.returncode == -9  # really killed, at that point
+    names = {p.name for p in directory.iterdir()}
+    if stage in ("partial", "written"):
+        assert any(name.endswith(".tmp") for name in names), names  # the write was cut short
+    path, state = checkpoint.load_for_resume("auto", tmp_path, CPU)
+    assert state["step"] == survivor and path.name == f"step_{survivor}.pt"
+    assert torch.equal(state["model"]["w"], torch.full((200_000,), float(survivor)))
+    # The next save cleans up what the killed one left behind.
+    checkpoint.save({"model": {}, "step": 3}, directory, 3, 1, None)
+    assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Asynchronous saving
+
+
+def test_async_save_writes_the_state_as_it_was_when_called(tmp_path) -> None:
+    objs = training_objects()
+    take_steps(objs, 2, seed=0)
+    expected = {k: v.clone() for k, v in objs[0].state_dict().items()}
+    saver = checkpoint.AsyncSaver()
+    saver.save(state_of(objs, 2), tmp_path, step=2, keep=2, accuracy=None)
+    take_steps(objs, 2, seed=1)  # training goes on and changes the weights in place
+    saver.wait()
+    state = checkpoint.load(tmp_path / "step_2.pt", CPU)
+    for key, value in expected.items():
+        assert torch.equal(state["model"][key], value), key
+    assert not torch.equal(state["model"]["stem.0.weight"], objs[0].state_dict()["stem.0.weight"])
+
+
+def test_async_save_failure_is_raised_by_the_next_call(tmp_path) -> None:
+    saver = checkpoint.AsyncSaver()
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the checkpoint directory should be")
+    saver.save({"model": {}, "step": 1}, blocker, step=1, keep=1, accuracy=None)
+    with pytest.raises(OSError):
+        saver.wait()
+    saver.wait()  # reported once

@@ -43,8 +43,30 @@ def test_epochs_reshuffle_and_skip_resumes_the_same_order() -> None:
     epoch0 = list(sampler)
     sampler.set_epoch(1)
     assert list(sampler) != epoch0
-    sampler.set_epoch(0, skip=10)
+    sampler.set_epoch(0, consumed=20)  # 10 samples on each of the 2 ranks
     assert list(sampler) == epoch0[10:] and len(sampler) == len(epoch0) - 10
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2), (2, 1), (1, 4)])
+def test_resuming_with_another_world_size_sees_each_remaining_sample_once(before, after) -> None:
+    """Consume part of an epoch on `before` ranks, finish it on `after` ranks: no sample twice,
+    none of the epoch missed beyond the tail dropped to keep ranks equal. The reference is
+    DistributedSampler's own permutation, rebuilt here with torch.randperm."""
+    n, seed, epoch, per_rank_done = 101, 7, 3, 9
+    dataset = data.make_synthetic(n, (1, 4, 4), 10, seed=0)
+    seen = []
+    for rank in range(before):
+        sampler = data.EpochSampler(dataset, info(rank, before), seed=seed)
+        sampler.set_epoch(epoch)
+        seen += [index for _, index in list(sampler)[:per_rank_done]]
+    consumed = before * per_rank_done
+    for rank in range(after):
+        sampler = data.EpochSampler(dataset, info(rank, after), seed=seed)
+        sampler.set_epoch(epoch, consumed=consumed)
+        seen += [index for e, index in sampler if e == epoch]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    expected = order[: consumed + (n - consumed) // after * after]
+    assert sorted(seen) == sorted(expected) and len(set(seen)) == len(seen)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -61,8 +83,8 @@ def test_augmentation_depends_only_on_seed_epoch_and_index() -> None:
     assert torch.equal(aug[(3, 7)][0], again[(3, 7)][0])
     outputs = {aug[(epoch, 7)][0].numpy().tobytes() for epoch in range(20)}
     assert len(outputs) > 5  # crops and flips vary across epochs
-    image, label = aug[(0, 7)]
-    assert image.shape == (1, 28, 28) and image.dtype == torch.uint8 and label == base[7][1]
+    image, label, index = aug[(0, 7)]
+    assert image.shape == (1, 28, 28) and image.dtype == torch.uint8 and label == base[7][1] and index == 7
 
 
 def test_crop_is_a_shifted_window_of_the_padded_image() -> None:
@@ -94,7 +116,7 @@ def test_two_ranks_see_the_same_samples_as_one_rank_with_twice_the_batch() -> No
     cfg = DataConfig(batch_size=8, num_workers=0)
     one = data.build_train_loader(splits, DataConfig(batch_size=16, num_workers=0), info(), 0)
     data.set_epoch(one, 2)
-    images_one, labels_one = next(iter(one))
+    images_one, labels_one, _ = next(iter(one))
     parts = []
     for rank in range(2):
         loader = data.build_train_loader(splits, cfg, info(rank, 2), 0)

@@ -24,46 +24,63 @@ def saved_state(cfg: Config, **overrides) -> dict:
         "scaler": {},
         "step": 30,
         "epoch": 1,
+        "samples_in_epoch": 1280,
         "step_in_epoch": 10,
         "world_size": 1,
         "global_batch_size": 128,
         "config": cfg.to_dict(),
+        "rng": [],
+        "ledger": {"epoch": 1, "totals": [1280, 0, 0]},
+        "data_fingerprint": "abc",
     }
     return {**state, **overrides}
 
 
+def resume(cfg: Config, state: dict, info: DistInfo = ONE, name: str = "c.pt") -> train.Position:
+    return train.resume_position(cfg, info, Path(name), state, 60000, "abc")
+
+
 def test_position_continues_mid_epoch() -> None:
     cfg = Config()
-    pos = train.resume_position(cfg, ONE, Path("c.pt"), saved_state(cfg), steps_per_epoch=20)
-    assert (pos.step, pos.epoch, pos.step_in_epoch) == (30, 1, 10)
+    pos = resume(cfg, saved_state(cfg))
+    assert (pos.step, pos.epoch, pos.samples_in_epoch) == (30, 1, 1280)
 
 
-def test_mid_epoch_resume_with_another_global_batch_is_refused() -> None:
+def test_mid_epoch_resume_with_another_world_size_is_reported(caplog) -> None:
     cfg = Config()
-    with pytest.raises(ConfigError, match="c.pt stopped mid-epoch with a global batch of 64"):
-        train.resume_position(cfg, ONE, Path("c.pt"), saved_state(cfg, global_batch_size=64), 20)
+    with caplog.at_level("WARNING"):
+        pos = resume(cfg, saved_state(cfg, world_size=2, global_batch_size=256))
+    assert pos.samples_in_epoch == 1280  # the sampler hands the new ranks the rest of the epoch
+    assert "global batch 256 (2 ranks) -> 128 (1 ranks)" in caplog.text
 
 
-def test_epoch_boundary_resume_with_another_world_size_is_allowed() -> None:
+def test_same_global_batch_on_another_world_size_changes_no_math(caplog) -> None:
+    cfg = parse_args(["--data.global_batch_size=256"])
+    state = saved_state(cfg, world_size=4, global_batch_size=256)
+    with caplog.at_level("WARNING"):
+        resume(cfg, state, DistInfo(0, 0, 2, CPU, "gloo"))  # both: 256 per optimizer step
+    assert "change the training math" not in caplog.text
+
+
+def test_position_beyond_this_dataset_is_refused() -> None:
     cfg = Config()
-    state = saved_state(cfg, step_in_epoch=0, epoch=2, world_size=4, global_batch_size=512)
-    pos = train.resume_position(cfg, ONE, Path("c.pt"), state, steps_per_epoch=20)
-    assert (pos.epoch, pos.step_in_epoch) == (2, 0)
+    with pytest.raises(ConfigError, match="c.pt is 70000 samples into epoch 1.*60000"):
+        resume(cfg, saved_state(cfg, samples_in_epoch=70000))
 
 
 def test_checkpoint_from_elsewhere_is_named() -> None:
     cfg = Config()
     state = saved_state(cfg)
-    del state["step_in_epoch"], state["scaler"]
-    with pytest.raises(checkpoint.CheckpointError, match="x.pt lacks scaler, step_in_epoch"):
-        train.resume_position(cfg, ONE, Path("x.pt"), state, 20)
+    del state["step_in_epoch"], state["scaler"], state["rng"]
+    with pytest.raises(checkpoint.CheckpointError, match="x.pt lacks scaler, step_in_epoch, rng"):
+        resume(cfg, state, name="x.pt")
 
 
 def test_changed_math_settings_are_reported(caplog) -> None:
     old = parse_args(["--optim.lr=0.1", "--model.widths=8,16"])
     new = parse_args(["--optim.lr=0.05", "--model.widths=8,16", "--data.num_workers=0"])
     with caplog.at_level("WARNING"):
-        train.resume_position(new, ONE, Path("c.pt"), saved_state(old), 20)
+        resume(new, saved_state(old))
     assert "optim.lr 0.1 -> 0.05" in caplog.text and "num_workers" not in caplog.text
 
 

@@ -1,0 +1,352 @@
+"""What keeps a long run alive or stops it cleanly: per-step agreement across ranks (skip a
+non-finite step, stop for preemption), the stall watchdog, the sample ledger and RNG states.
+
+Exit codes of train.py (also in the README):
+    0   finished
+    1   unexpected error (a traceback says where)
+    2   bad input: config, data path or checkpoint (retrying cannot help)
+    3   diverged: train.max_nonfinite_steps consecutive non-finite steps
+    4   stalled: a rank made no progress for dist.timeout_s (the watchdog aborted it)
+    75  preempted: a checkpoint was written at the step boundary after the signal; resubmit
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import distributed
+from distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_STALLED = 4
+EXIT_PREEMPTED = 75
+
+
+class DivergedError(RuntimeError):
+    """Too many consecutive optimizer steps with a non-finite loss or gradient."""
+
+
+class Preempted(Exception):
+    """A preemption signal arrived; the checkpoint at `step` is written. Not an error."""
+
+    def __init__(self, signal_name: str, step: int) -> None:
+        super().__init__(f"preempted by {signal_name} at step {step}")
+        self.signal_name = signal_name
+        self.step = step
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption signals
+
+
+class PreemptionHandler:
+    """Records that a preemption signal arrived; the training loop acts at a step boundary.
+
+    The handler only sets a flag (a signal can land in the middle of a collective, where
+    nothing else is safe to do). The flag travels in the per-step all-reduce of `StepGuard`,
+    so every rank stops after the same step even when only one received the signal.
+    """
+
+    def __init__(self, signal_names: tuple[str, ...]) -> None:
+        self.signals = [signal.Signals[name] for name in signal_names]
+        self.received: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-step agreement
+
+
+@dataclass(frozen=True)
+class Verdict:
+    skip: bool  # a non-finite loss or gradient somewhere: leave params and optimizer alone
+    stop: str | None  # name of the preemption signal some rank received, or None
+    nonfinite_ranks: tuple[int, ...]  # ranks whose loss was not finite
+
+
+class StepGuard:
+    """One small all-reduce per optimizer step that makes every per-rank decision global.
+
+    Slots: one per rank for "my loss is not finite", one for "my gradient norm is not finite"
+    (the norm is taken after DDP's all-reduce, so it is the same on every rank, but a rank
+    without DDP, world size 1, still needs it), one for "a preemption signal arrived here".
+    The result is read on the host once per step: free on CPU, one device sync on CUDA.
+    """
+
+    def __init__(self, info: DistInfo, max_consecutive: int, check_grad: bool) -> None:
+        self.info = info
+        self.max_consecutive = max_consecutive
+        self.check_grad = check_grad  # False under fp16, where the GradScaler owns inf steps
+        self.consecutive = 0
+        self.skipped_total = 0
+        self._signal_code: dict[str, int] = {}
+        self._flags = torch.zeros(info.world_size + 2, device=info.device)
+
+    def agree(
+        self,
+        loss_sum: torch.Tensor,
+        grad_norm: torch.Tensor,
+        stop_signal: str | None,
+        step: int,
+    ) -> Verdict:
+        world = self.info.world_size
+        flags = self._flags
+        flags.zero_()
+        flags[self.info.rank] = (~torch.isfinite(loss_sum)).float()
+        if self.check_grad:
+            flags[world] = (~torch.isfinite(grad_norm)).float()
+        if stop_signal is not None:
+            flags[world + 1] = 1.0
+        values = distributed.all_reduce_sum(flags).tolist()
+        nonfinite_ranks = tuple(rank for rank in range(world) if values[rank] > 0)
+        skip = bool(nonfinite_ranks) or values[world] > 0
+        stop = None
+        if values[world + 1] > 0:
+            stop = stop_signal or "a signal received by another rank"
+        if skip:
+            self.consecutive += 1
+            self.skipped_total += 1
+            where = f"loss on rank(s) {list(nonfinite_ranks)}" if nonfinite_ranks else "gradient"
+            log.warning(
+                "step %d: non-finite %s; skipped the optimizer step (%d in a row, %d in total)",
+                step,
+                where,
+                self.consecutive,
+                self.skipped_total,
+            )
+            if self.consecutive >= self.max_consecutive:
+                raise DivergedError(
+                    f"{self.consecutive} consecutive optimizer steps had a non-finite loss or "
+                    f"gradient (the last at step {step}, {where}), "
+                    f"train.max_nonfinite_steps={self.max_consecutive}: training diverged. Lower "
+                    "optim.lr, raise optim.warmup_steps or set optim.grad_clip; resume from a "
+                    "checkpoint before the divergence"
+                )
+        else:
+            self.consecutive = 0
+        return Verdict(skip=skip, stop=stop, nonfinite_ranks=nonfinite_ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stall watchdog
+
+
+class Watchdog:
+    """Aborts this rank when it makes no progress for `timeout_s`, naming where it stood.
+
+    The training loop calls `beat(step, phase)` (two attribute writes, no I/O). A background
+    thread checks the time since the last beat; past the limit it logs the phase, dumps every
+    thread's stack and exits with EXIT_STALLED, so torchrun restarts the group instead of it
+    hanging until an NCCL watchdog (if any) notices. It also publishes each rank's last beat to
+    the process group's store, so a rank whose collective times out can say which peer is
+    behind (`describe_peers`).
+    """
+
+    def __init__(self, info: DistInfo, timeout_s: float) -> None:
+        self.info = info
+        self.timeout_s = timeout_s
+        self.step = 0
+        self.phase = "starting"
+        self.last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store = _default_store()
+        self._restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+    def beat(self, step: int, phase: str) -> None:
+        self.step, self.phase, self.last_beat = step, phase, time.monotonic()
+
+    def start(self) -> None:
+        self.beat(self.step, self.phase)
+        self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        interval = min(2.0, self.timeout_s / 10)
+        publish_every, published = max(1.0, interval), 0.0
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            idle = now - self.last_beat
+            if idle > self.timeout_s:
+                self._abort(idle)
+            if self._store is not None and now - published >= publish_every:
+                published = now
+                # A store that went away means the job is ending anyway.
+                with contextlib.suppress(Exception):
+                    self._store.set(
+                        f"heartbeat/{self.info.rank}",
+                        f"{self.step} {self.phase} {time.time():.3f} {socket.gethostname()} "
+                        f"{self._restart}",
+                    )
+
+    def _abort(self, idle: float) -> None:
+        message = (
+            f"rank {self.info.rank} on {socket.gethostname()} made no progress for {idle:.1f} s "
+            f"(dist.timeout_s={self.timeout_s:g}) in {self.phase} of step {self.step + 1}: "
+            f"aborting with exit code {EXIT_STALLED} so that the job restarts. Stacks:"
+        )
+        log.error(message)
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_STALLED)
+
+    def describe_peers(self) -> str:
+        """Each rank's last published step and phase, the laggards first ('' without a store)."""
+        if self._store is None:
+            return ""
+        rows = []
+        now = time.time()
+        for rank in range(self.info.world_size):
+            try:
+                self._store.wait([f"heartbeat/{rank}"], _short_timeout())
+                step, phase, stamp, host, restart = (
+                    self._store.get(f"heartbeat/{rank}").decode().split(" ")
+                )
+            except Exception:
+                rows.append((-1, f"rank {rank}: no heartbeat"))
+                continue
+            rows.append(
+                (
+                    int(step),
+                    f"rank {rank} on {host}: {phase} of step {int(step) + 1}, "
+                    f"{now - float(stamp):.1f} s ago",
+                )
+            )
+        rows.sort(key=lambda row: row[0])
+        return "; ".join(text for _, text in rows)
+
+
+def _short_timeout() -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=1)
+
+
+def _default_store() -> Any:
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private helper: without it the watchdog still works, only quieter
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample ledger
+
+_P = 2_147_483_647  # 2^31 - 1: index hashes stay below it, so sums of 2^32 of them fit int64
+
+
+def index_hashes(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent hashes in [0, 2^31 - 1) of dataset indices (below 2^31)."""
+    h1 = (indices.to(torch.int64) * 1103515245 + 12345) % _P
+    h2 = (h1 * 48271 + 11) % _P
+    return h1, h2
+
+
+class SampleLedger:
+    """Which samples an epoch trained on: their count and two sums of index hashes.
+
+    The sums do not depend on order, rank or restarts, so the epoch's digest over all ranks
+    and all restarts equals the digest of the set of samples it saw: a replayed or skipped
+    sample changes it. Checkpoints carry the global totals of the epoch so far.
+    """
+
+    def __init__(self) -> None:
+        self.carried = [0, 0, 0]  # global totals of this epoch before this process started it
+        self.local = torch.zeros(3, dtype=torch.int64)
+
+    def start_epoch(self, carried: list[int] | None = None) -> None:
+        self.carried = list(carried) if carried else [0, 0, 0]
+        self.local.zero_()
+
+    def add(self, indices: torch.Tensor) -> None:
+        h1, h2 = index_hashes(indices)
+        self.local += torch.stack(
+            [torch.tensor(len(indices), dtype=torch.int64), h1.sum(), h2.sum()]
+        )
+
+    def totals(self) -> tuple[list[int], list[list[int]]]:
+        """Collective: (global totals of the epoch, this process's part on each rank)."""
+        per_rank = distributed.all_gather_object(self.local.tolist())
+        totals = [sum(column) for column in zip(self.carried, *per_rank, strict=True)]
+        return totals, per_rank
+
+
+def digest(totals: list[int]) -> str:
+    count, h1, h2 = totals
+    return f"{count}:{h1:x}:{h2:x}"
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators, in types `torch.load(weights_only=True)` accepts."""
+    version, mt_state, gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(mt_state), gauss],
+        "numpy": [
+            np_kind,
+            torch.from_numpy(np_keys.astype(np.int64)),
+            np_pos,
+            np_has_gauss,
+            np_gauss,
+        ],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state(
+        (np_kind, np_keys.cpu().numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
