@@ -64,6 +64,9 @@ def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # e.g. a full disk: flush() alone would not say which file
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

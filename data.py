@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
-from torchvision import datasets
-from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as TF
 
 import distributed
 from config import DataConfig
@@ -75,20 +73,25 @@ class ImageFiles(Dataset):
     """The user's own `root/<class>/*` images as uint8 RGB tensors resized to a square."""
 
     def __init__(self, root: Path, image_size: int, classes: list[str] | None = None) -> None:
+        from torchvision import datasets  # imported when used: it is slow to import
+
         self.folder = datasets.ImageFolder(str(root))
         if classes is not None and self.folder.classes != classes:
             raise ValueError(
                 f"class folders of {root} {self.folder.classes} differ from the "
                 f"training set's {classes}"
             )
+        from torchvision.transforms import v2
+
         self.resize = v2.Resize((image_size, image_size), antialias=True)
+        self.to_tensor = v2.functional.pil_to_tensor
 
     def __len__(self) -> int:
         return len(self.folder.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.folder[index]  # PIL decode, converted to RGB
-        return self.resize(TF.pil_to_tensor(image)), label
+        return self.resize(self.to_tensor(image)), label
 
 
 @dataclass(frozen=True)
@@ -132,19 +135,23 @@ def _torchvision_splits(
             cls(str(root), train=True, download=cfg.download),
             cls(str(root), train=False, download=cfg.download),
         )
-    except (RuntimeError, OSError) as err:  # not found / corrupt, or a failed download
+    except (RuntimeError, OSError, AssertionError, ValueError, EOFError) as err:
+        # Not found, corrupt (torchvision asserts on a malformed idx header), or a failed
+        # download.
         if cfg.download:
             raise DatasetNotFoundError(
                 f"{name} could not be downloaded into {root}: {err}. {offline_hint}"
             ) from err
         raise DatasetNotFoundError(
-            f"{name} not found under {folder} and --data.download=false ({err}). "
-            f"{offline_hint}, or pass --data.download=true"
+            f"{name} not found or unreadable under {folder} and --data.download=false "
+            f"({type(err).__name__}: {err}). {offline_hint}, or pass --data.download=true"
         ) from None
 
 
 def _fashion_mnist(cfg: DataConfig) -> DataSplits:
     _prepare_fashion_mnist(Path(cfg.root))
+    from torchvision import datasets
+
     train, test = _torchvision_splits(
         datasets.FashionMNIST,
         "Fashion-MNIST",
@@ -165,6 +172,8 @@ def _fashion_mnist(cfg: DataConfig) -> DataSplits:
 
 def _cifar10(cfg: DataConfig) -> DataSplits:
     folder = Path(cfg.root) / "cifar-10-batches-py"
+    from torchvision import datasets
+
     train, test = _torchvision_splits(
         datasets.CIFAR10,
         "CIFAR-10",
@@ -173,7 +182,7 @@ def _cifar10(cfg: DataConfig) -> DataSplits:
         f"Copy the extracted cifar-10-batches-py folder to {folder}",
     )
 
-    def to_tensors(ds: datasets.CIFAR10) -> ImageTensors:
+    def to_tensors(ds: Any) -> ImageTensors:
         images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
         return ImageTensors(images, torch.tensor(ds.targets))
 
@@ -331,9 +340,10 @@ class Augmented(Dataset):
             span = 2 * self.padding + 1
             top, left = h % span, (h >> 16) % span
             height, width = image.shape[-2:]
-            image = TF.crop(TF.pad(image, [self.padding] * 4), top, left, height, width)
+            padded = torch.nn.functional.pad(image, [self.padding] * 4)
+            image = padded[..., top : top + height, left : left + width]
         if (h >> 32) & 1:
-            image = TF.horizontal_flip(image)
+            image = image.flip(-1)
         return image, label, index
 
 
@@ -403,7 +413,16 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def _seed_worker(worker_id: int) -> None:
+def _init_worker(worker_id: int) -> None:
+    # torchrun stops a worker by signalling its whole process group, and the DataLoader turns
+    # a loader worker's death into an exception in the training process at once, before that
+    # process can checkpoint at the next step boundary. A process group of its own keeps this
+    # worker out of such signals (and of the terminal's Ctrl-C); the training process still
+    # stops it directly (SIGTERM) and it exits by itself if that process dies. The signals a
+    # scheduler may send to every process for preemption are ignored here.
+    os.setpgid(0, 0)
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     # torch seeds each worker with base_seed + worker_id; give Python and NumPy (used by
     # user-added transforms) seeds derived from it as well.
     worker_seed = torch.initial_seed() % 2**32
@@ -415,7 +434,7 @@ def _loader_options(cfg: DataConfig, info: DistInfo, seed: int) -> dict[str, Any
     options: dict[str, Any] = {
         "num_workers": cfg.num_workers,
         "pin_memory": info.device.type == "cuda",
-        "worker_init_fn": _seed_worker,
+        "worker_init_fn": _init_worker,
         "generator": torch.Generator().manual_seed(seed + info.rank),
     }
     if cfg.num_workers > 0:

@@ -86,6 +86,27 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's shared rendezvous store, a store namespaced by restart attempt.
+
+    torchrun (c10d rendezvous) keeps one TCPStore for all restarts of a job and env://
+    writes the process group's keys into it without an attempt prefix, so a restarted group
+    can read the dead workers' addresses and fail in gloo's connectFullMesh ("Connection
+    refused"). Our launchers also set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per
+    rendezvous round); this covers plain torchrun. None: use env:// as it is.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=_env_int("MASTER_PORT"),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"train/attempt_{attempt}/", client)
+
+
 def setup(cfg: DistConfig) -> DistInfo:
     """Join the process group described by torchrun's environment (or run alone without one)."""
     env = read_env()
@@ -107,12 +128,15 @@ def setup(cfg: DistConfig) -> DistInfo:
         # Before init_process_group: NCCL binds its communicator to the current device, and
         # without this every rank would create a context on GPU 0.
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = _attempt_store(timeout)
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        init_method=None if store is not None else "env://",
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=cfg.timeout_s),
+        timeout=timeout,
     )
     return DistInfo(
         rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend
@@ -144,6 +168,10 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class PeerError(RuntimeError):
+    """Work failed on another rank; that rank's own error says why."""
+
+
 def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) -> None:
     """Collective: every rank learns whether `what` failed on any rank, and all of them raise.
 
@@ -156,7 +184,7 @@ def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) 
     if error is not None:
         raise error
     if num_failed:
-        raise RuntimeError(f"{what} failed on {num_failed} other rank(s); see their errors")
+        raise PeerError(f"{what} failed on {num_failed} other rank(s); see their errors")
 
 
 def run_on_main(info: DistInfo, what: str, fn: Callable[[], None], per_node: bool = False) -> None:
@@ -232,7 +260,8 @@ def average_buffers(model: nn.Module) -> None:
 
     DDP broadcasts rank 0's buffers at the start of each forward, then each rank updates its
     own copy from its own shard, so after the last step the ranks disagree slightly. Averaging
-    before evaluation and checkpointing makes every rank evaluate, and rank 0 save, the same model.
+    before evaluation makes every rank evaluate the same model (the epoch-end checkpoint, taken
+    after evaluation, then holds the averaged statistics).
     """
     if not _active():
         return

@@ -130,6 +130,24 @@ def apply_update(
     optimizer.zero_grad(set_to_none=True)
 
 
+class BufferSnapshot:
+    """A copy of the model's buffers (BatchNorm statistics), refreshed before every step, so
+    that a skipped step also leaves them as they were: its forward updated them already."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.buffers = list(distributed.unwrap_model(model).buffers())
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def take(self) -> None:
+        for saved, buffer in zip(self.saved, self.buffers, strict=True):
+            saved.copy_(buffer)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for saved, buffer in zip(self.saved, self.buffers, strict=True):
+                buffer.copy_(saved)
+
+
 def train_step(
     model: nn.Module,
     micro_batches: Sequence[Batch],

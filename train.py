@@ -7,11 +7,21 @@ an evaluation and a checkpoint at the end of every epoch, and always leave the p
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # a bad command line fails in a second, before torch is imported
+    from config import ConfigError, parse_args
+
+    try:
+        parse_args()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
 import logging
 import os
 import random
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -396,12 +406,14 @@ def save_checkpoint(
 ) -> None:
     """Rank 0 writes; every rank then learns whether that worked (this is also the barrier).
 
-    Averages BatchNorm statistics first, so the saved model is the one every rank holds, and
-    gathers every rank's random generators and sample ledger (collectives: all ranks call).
+    Saves rank 0's BatchNorm statistics as they are, without averaging them over ranks: DDP
+    broadcasts rank 0's buffers at the start of the next forward anyway, so they are the
+    model's true state, and leaving them alone keeps a run with checkpoints bit-identical to
+    one without (evaluation, at epoch ends, averages them in every run alike). Gathers every
+    rank's random generators and sample ledger (collectives: all ranks call).
     With ckpt.async_save the write finishes in the background unless `wait`; a failure of
     the previous write is raised here.
     """
-    distributed.average_buffers(job.model)
     rng_states = distributed.all_gather_object(resilience.rng_state())
     ledger_totals, _ = job.ledger.totals()
 
@@ -486,6 +498,7 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
     batches = iter(job.train_loader)
     job.model.train()
     samples_per_step = global_batch_size(cfg, info.world_size)
+    buffers = engine.BufferSnapshot(job.model)
     for i in range(steps):
         loop.watchdog.beat(pos.step, "data loading")
         faults.fire("step", pos.step, info.rank)
@@ -497,6 +510,7 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
             micro_batches.append(job.preprocess(images, labels))
         data_wait = time.perf_counter() - started
         loop.watchdog.beat(pos.step, "forward/backward")
+        buffers.take()
         loss_fn = job.loss_fn
         if faults.poison_loss(pos.step, info.rank):
             loss_fn = _PoisonedLoss(loss_fn)
@@ -513,6 +527,8 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
             stats.loss_sum, stats.grad_norm, loop.preemption.received, pos.step + 1
         )
         engine.apply_update(job.optimizer, job.scaler, skip=verdict.skip)
+        if verdict.skip:
+            buffers.restore()
         job.scheduler.step()
         pos.step += 1
         pos.step_in_epoch += 1
@@ -721,9 +737,12 @@ def main(argv: list[str] | None = None) -> int:
     except resilience.DivergedError as err:
         log.error("%s", err)
         return resilience.EXIT_DIVERGED
-    except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError) as err:
+    except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError, OSError) as err:
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
         return resilience.EXIT_BAD_INPUT
+    except distributed.PeerError as err:
+        log.error("%s", err)
+        return 1
     finally:
         distributed.teardown()
 

@@ -89,4 +89,29 @@ if [[ "$RDZV_CHECK" == 1 ]]; then
     "$PYTHON" scripts/rendezvous_check.py
 fi
 echo "launch_multinode.sh: node $NODE_RANK of $NNODES: ${cmd[*]}"
-exec "${cmd[@]}"
+# Preemption: SIGTERM, SIGUSR2 (Slurm's --signal) or SIGINT to this script reaches torchrun as
+# SIGTERM, which torchrun forwards to its workers; they checkpoint at the next step boundary
+# and exit (torchrun allows them 30 s). This script then exits 75, the documented "preempted,
+# resubmit" code. torchrun runs in the background because bash runs a trap only between
+# commands, and `wait` is interruptible.
+signalled=""
+forward() {
+  signalled=$1
+  echo "launch_multinode.sh: $1: asking the workers to checkpoint and stop" >&2
+  kill -TERM "$torchrun_pid" 2>/dev/null || true
+}
+trap 'forward SIGTERM' TERM
+trap 'forward SIGUSR2' USR2
+trap 'forward SIGINT' INT
+"${cmd[@]}" &
+torchrun_pid=$!
+status=0
+while :; do
+  wait "$torchrun_pid" && status=0 || status=$?
+  kill -0 "$torchrun_pid" 2>/dev/null || break  # else a trap interrupted wait: wait again
+done
+if [[ -n "$signalled" ]]; then
+  echo "launch_multinode.sh: stopped by $signalled (torchrun exit $status): exit 75" >&2
+  exit 75
+fi
+exit "$status"

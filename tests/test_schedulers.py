@@ -32,7 +32,7 @@ FAKE_SCONTROL = f"""#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$FAKE_LOG/scontrol.log"
 if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\\n' {" ".join(HOSTS)}; exit 0; fi
 if [[ "$1" == requeue && -f "$FAKE_LOG/srun.pid" ]]; then
-  kill -TERM "$(cat "$FAKE_LOG/srun.pid")"
+  kill -TERM "$(cat "$FAKE_LOG/srun.pid")" 2>/dev/null || true
 fi
 """
 
@@ -48,9 +48,10 @@ case "${FAKE_SRUN_MODE:-record}" in
   exec)
     while [[ "$1" == --* ]]; do shift; done  # srun's own options
     for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node "$@" || exit; done ;;
-  sleep)
+  sleep)  # a job step whose tasks checkpoint and exit 75 when srun forwards SIGUSR2
+    trap 'echo USR2 > "$FAKE_LOG/srun.usr2"; exit 75' USR2
     echo $$ > "$FAKE_LOG/srun.pid"
-    exec sleep 60 ;;
+    for ((i = 0; i < 600; i++)); do sleep 0.1; done ;;
 esac
 """
 
@@ -211,21 +212,22 @@ def test_sbatch_requeues_on_usr2(slurm: dict[str, str]) -> None:
             proc.wait()
         with contextlib.suppress(OSError, ValueError):  # leave no fake srun (sleep) behind
             pid = int((log / "srun.pid").read_text())
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
+            if b"srun" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGKILL)
     stderr = (log / "batch.out").read_text()
     calls = (log / "scontrol.log").read_text().splitlines()
+    # The signal went on to the job step (whose workers checkpoint), the batch shell survived
+    # it, waited for srun to end, then requeued and exited with srun's status: 75, preempted.
+    assert (log / "srun.usr2").read_text().strip() == "USR2", stderr
     assert calls[-1] == "requeue 123457", stderr
     assert "requeueing job 123457" in stderr
-    # The batch shell survived the signal, waited for srun (ended by the requeue) and exited
-    # with srun's status.
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert proc.returncode == 75, stderr
 
 
 def test_sbatch_requeue_limit(slurm: dict[str, str]) -> None:
     """After MAX_REQUEUES requeues the signal is logged but the job is not requeued again."""
     # Define just the handler (sed cuts it out of the script), then call it.
-    script = f"source <(sed -n '/^requeue()/,/^}}/p' {shlex.quote(str(SBATCH))}); requeue"
+    script = f"source <(sed -n '/^requeue_now()/,/^}}/p' {shlex.quote(str(SBATCH))}); requeue_now"
     env = {**slurm, "SLURM_RESTART_COUNT": "5", "MAX_REQUEUES": "5"}
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

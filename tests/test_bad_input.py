@@ -1,0 +1,420 @@
+"""Bad input, end to end: every case runs the real entry point as a subprocess.
+
+What is proven for each bad command line, config file, data path, run dir or checkpoint:
+the job exits with a positive status (not killed by a signal) within a bound that separates
+"failed fast" from "hung until a collective timed out" (dist.timeout_s stays at its 300 s
+default); its output names the offending field or file and the bad value; no process it
+started (torchrun workers, which get sessions of their own, included) is left running; and no
+file under the test's directory appeared, disappeared or changed (sha256 and mtime), in
+particular in the pre-populated run dir it was pointed at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+
+PYTHON_BOUND_S = 20.0  # python train.py: ~10 s on 2 CPU cores, nearly all of it imports
+TORCHRUN_BOUND_S = 45.0  # launcher plus 2 ranks: ~21 s on 2 CPU cores
+LEAK_GRACE_S = 2.0
+TOKEN_VAR = "BAD_INPUT_TEST_TOKEN"  # inherited by every descendant, whatever its session
+
+# A valid, tiny run: each case appends the one bad setting (a later --key wins). The command
+# line beats a --config file, so a TOML case must set a key that is not in this list.
+BASE_ARGS = (
+    "--run.dir={run}",
+    "--data.root={data}",
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=256",
+    "--data.synthetic_eval_size=64",
+    "--data.batch_size=32",
+    "--data.num_workers=0",
+    "--train.epochs=1",
+    "--model.widths=4,8,8",
+    "--log.tensorboard=false",
+)
+NOT_FOUND = "does not exist|not found|No such file"
+
+
+def make_blocker(tmp: Path) -> None:
+    """A regular file where the run dir's parent directory should be."""
+    (tmp / "blocker").write_text("a file, not a directory\n")
+
+
+def make_corrupt_fashion_mnist(tmp: Path) -> None:
+    """All four files torchvision looks for, none of them a valid IDX file."""
+    raw = tmp / "data" / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in ("train-images", "train-labels", "t10k-images", "t10k-labels"):
+        kind = "idx3" if name.endswith("images") else "idx1"
+        (raw / f"{name}-{kind}-ubyte").write_bytes(b"\x00\x00\x08\x7fgarbage" * 8)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input. `{run}`, `{data}`, `{tmp}` and `{toml}` in args and patterns are paths."""
+
+    id: str
+    args: tuple[str, ...]
+    field: str | None = None  # the config key the message must name, right next to `value`
+    value: str | None = None
+    patterns: tuple[str, ...] = ()  # further regexes the output must match
+    torchrun: bool = False
+    toml: str | None = None  # text of {toml}, written before the run
+    prepare: Callable[[Path], None] | None = None
+
+
+def world_size_named(n: int) -> str:
+    """Regex: the message states the world size `n` ("world size 2", "world_size=2", "2 ranks")."""
+    return rf"world[ _]size\D{{0,4}}{n}(?!\d)|\b{n} ranks?\b"
+
+
+CASES = [
+    Case(
+        "unknown_key",
+        ("--train.epoch=3",),
+        patterns=(r"train\.epoch\b", r"did you mean train\.epochs"),
+    ),
+    Case(
+        "unknown_section",
+        ("--optimizer.lr=0.1",),
+        patterns=(r"optimizer\.lr", r"did you mean|--help"),
+    ),
+    Case("missing_value", ("--train.epochs",), patterns=(r"--train\.epochs\b", "missing value")),
+    Case("int_given_text", ("--train.epochs=abc",), "train.epochs", "abc"),
+    Case("bool_given_maybe", ("--data.augment=maybe",), "data.augment", "maybe"),
+    Case("negative_batch_size", ("--data.batch_size=-8",), "data.batch_size", "-8"),
+    Case("zero_batch_size", ("--data.batch_size=0",), "data.batch_size", "0"),
+    Case("zero_epochs", ("--train.epochs=0",), "train.epochs", "0"),
+    Case("lr_nan", ("--optim.lr=nan",), "optim.lr", "nan"),
+    Case("lr_negative", ("--optim.lr=-0.1",), "optim.lr", "-0.1"),
+    Case("lr_inf", ("--optim.lr=inf",), "optim.lr", "inf"),
+    Case("dataset_choice", ("--data.dataset=imagenet",), "data.dataset", "imagenet"),
+    Case("amp_choice", ("--train.amp=fp8",), "train.amp", "fp8"),
+    Case("widths_empty", ("--model.widths=",), patterns=(r"model\.widths\W{1,4}(\(\)|''|empty)",)),
+    Case("widths_non_numeric", ("--model.widths=16,x",), "model.widths", "16,x"),
+    Case("grad_accum_zero", ("--train.grad_accum_steps=0",), "train.grad_accum_steps", "0"),
+    Case("timeout_zero", ("--dist.timeout_s=0",), "dist.timeout_s", "0"),
+    Case("subset_exceeds_dataset", ("--data.subset=1000",), "data.subset", "1000"),
+    Case(
+        "global_batch_not_divisible_by_accum",
+        ("--data.global_batch_size=100", "--train.grad_accum_steps=3"),
+        "data.global_batch_size",
+        "100",
+        patterns=(world_size_named(1),),
+    ),
+    Case(
+        "toml_missing", ("--config={tmp}/absent.toml",), patterns=("{tmp}/absent.toml", NOT_FOUND)
+    ),
+    Case(
+        "toml_corrupt",
+        ("--config={toml}",),
+        patterns=("{toml}", r"line \d+"),
+        toml="[train\nepochs = 2\n",
+    ),
+    Case(
+        "toml_unknown_key",
+        ("--config={toml}",),
+        patterns=(r"train\.epohcs", r"did you mean train\.epochs"),
+        toml="[train]\nepohcs = 2\n",
+    ),
+    Case(
+        "toml_wrong_type",
+        ("--config={toml}",),
+        "data.eval_batch_size",
+        "big",
+        toml='[data]\neval_batch_size = "big"\n',  # a key BASE_ARGS does not override
+    ),
+    Case("toml_lr_nan", ("--config={toml}",), "optim.lr", "nan", toml="[optim]\nlr = nan\n"),
+    Case(
+        "imagefolder_root_missing",
+        ("--data.dataset=imagefolder", "--data.root={tmp}/no_such_dir"),
+        patterns=("{tmp}/no_such_dir/train", NOT_FOUND),
+    ),
+    Case(
+        "corrupt_dataset_files",
+        ("--data.dataset=fashion_mnist", "--data.download=false"),
+        patterns=("{data}/FashionMNIST/raw",),
+        prepare=make_corrupt_fashion_mnist,
+    ),
+    Case(
+        "corrupt_checkpoint",
+        ("--ckpt.resume={run}/checkpoints/step_5.pt",),
+        patterns=("{run}/checkpoints/step_5.pt",),
+    ),
+    # Under torchrun: the failure of one rank (or a world-size dependent check) must end both.
+    Case(
+        "global_batch_not_divisible",
+        ("--data.global_batch_size=102", "--train.grad_accum_steps=2"),
+        "data.global_batch_size",
+        "102",
+        patterns=(world_size_named(2),),
+        torchrun=True,
+    ),
+    Case(
+        "missing_dataset",
+        ("--data.dataset=cifar10", "--data.download=false"),
+        patterns=("{data}/cifar-10-batches-py",),
+        torchrun=True,
+    ),
+    Case(
+        "unwritable_run_dir",
+        ("--run.dir={tmp}/blocker/run",),
+        "run.dir",
+        "{tmp}/blocker/run",
+        torchrun=True,
+        prepare=make_blocker,
+    ),
+    Case(
+        "resume_checkpoint_missing",
+        ("--ckpt.resume=/nonexistent/step_3.pt",),
+        patterns=("/nonexistent/step_3.pt", NOT_FOUND),
+        torchrun=True,
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: fixtures on disk, snapshots, launching, process accounting.
+
+
+def populate_run_dir(run_dir: Path) -> None:
+    """What an earlier run leaves behind; a failing run must leave all of it as it was."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.json").write_text('{"train": {"epochs": 1}}\n')
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 5, "loss": 2.3}\n')
+    (run_dir / "checkpoints" / "step_5.pt").write_bytes(b"not a checkpoint\x00\xff" * 64)
+    (run_dir / "checkpoints" / "best.json").write_text('{"step": 5, "accuracy": 0.1}\n')
+    (run_dir / "notes.txt").write_text("hand-written notes\n")
+
+
+Snapshot = dict[str, tuple[str, int] | None]
+
+
+def snapshot(root: Path) -> Snapshot:
+    """Relative path -> (sha256, mtime_ns) for files, None for directories."""
+    out: Snapshot = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_dir() and not path.is_symlink():
+            out[rel] = None
+        else:
+            out[rel] = (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+    return out
+
+
+def fill(text: str, dirs: dict[str, Path], escape: bool) -> str:
+    for key, path in dirs.items():
+        text = text.replace("{" + key + "}", re.escape(str(path)) if escape else str(path))
+    return text
+
+
+def command(torchrun: bool, args: list[str]) -> list[str]:
+    if torchrun:
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        return [sys.executable, *launcher, "train.py", *args]
+    return [sys.executable, "train.py", *args]
+
+
+def processes_of(token: str, sid: int) -> list[str]:
+    """Live processes in session `sid` or carrying `token` in their environment."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            environ = (stat.parent / "environ").read_bytes()
+        except OSError:  # exited while we looked
+            continue
+        state, _ppid, pgrp, session = text.rsplit(")", 1)[1].split()[:4]
+        # A zombie has exited; reaping it is its parent's (or init's) business, not the job's.
+        mine = int(session) == sid or int(pgrp) == sid or f"{TOKEN_VAR}={token}".encode() in environ
+        if state != "Z" and mine:
+            found.append(text[: text.rindex(")") + 1])
+    return found
+
+
+def leftovers_after_grace(token: str, sid: int) -> list[str]:
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while (left := processes_of(token, sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def kill_all(token: str, sid: int) -> None:
+    for entry in processes_of(token, sid):
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(int(entry.split()[0]), signal.SIGKILL)
+
+
+@dataclass
+class Outcome:
+    returncode: int | None  # None: still running at the hard timeout, then killed
+    output: str  # stdout and stderr, interleaved
+    wall_s: float
+    leftovers: list[str]
+
+
+def launch(cmd: list[str], bound_s: float) -> Outcome:
+    """Run `cmd` in a session of its own; kill everything it started if it outlives the bound.
+
+    Output goes to a file, not a pipe, so a leaked grandchild holding the pipe open cannot make
+    the wait block.
+    """
+    token = uuid.uuid4().hex
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TOKEN_VAR: token}
+    with tempfile.TemporaryFile() as out:
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            returncode: int | None = proc.wait(timeout=bound_s + 15)
+        except subprocess.TimeoutExpired:
+            returncode = None
+            kill_all(token, proc.pid)
+            proc.wait()
+        wall_s = time.monotonic() - started
+        leftovers = leftovers_after_grace(token, proc.pid)
+        kill_all(token, proc.pid)  # never leak into later tests, even when asserting fails
+        out.seek(0)
+        output = out.read().decode(errors="replace")
+    return Outcome(returncode, output, wall_s, leftovers)
+
+
+def changes(before: Snapshot, after: Snapshot) -> list[str]:
+    """Paths that appeared, vanished or changed between two snapshots."""
+    out = []
+    for rel in sorted(before.keys() | after.keys()):
+        if rel not in before:
+            out.append(f"{rel} appeared")
+        elif rel not in after:
+            out.append(f"{rel} vanished")
+        elif before[rel] != after[rel]:
+            out.append(f"{rel} changed")
+    return out
+
+
+def assert_failed_cleanly(
+    outcome: Outcome, bound_s: float, patterns: list[str], changed: list[str]
+) -> None:
+    """Every requirement at once, so that one report lists all that a case gets wrong."""
+    problems = []
+    if outcome.returncode is None:
+        problems.append(f"still running after {outcome.wall_s:.0f} s, killed")
+    elif outcome.returncode <= 0:
+        problems.append(f"exit status {outcome.returncode}")
+    if outcome.wall_s > bound_s:
+        problems.append(f"took {outcome.wall_s:.1f} s > {bound_s} s")
+    missing = [p for p in patterns if not re.search(p, outcome.output)]
+    if missing:
+        problems.append(f"output lacks {missing}")
+    if outcome.leftovers:
+        problems.append(f"processes left behind: {outcome.leftovers}")
+    if changed:
+        problems.append(f"files changed: {changed}")
+    assert not problems, "; ".join(problems) + "\n" + outcome.output[-6000:]
+
+
+def named(field: str, value: str) -> str:
+    """Regex: `field` followed closely by `value`: `f: v`, `f=v`, `f: 'v'`, `f (v)`."""
+    return rf"{re.escape(field)}[\s:=(]{{1,3}}['\"]?{re.escape(value)}(?!\w)"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=pytest.mark.slow if c.torchrun else ()) for c in CASES]
+)
+def test_bad_input_fails_fast_with_a_clear_message_and_changes_nothing(
+    case: Case, tmp_path: Path
+) -> None:
+    dirs = {"run": tmp_path / "run", "data": tmp_path / "data", "toml": tmp_path / "job.toml"}
+    dirs["tmp"] = tmp_path
+    populate_run_dir(dirs["run"])
+    dirs["data"].mkdir(exist_ok=True)
+    (dirs["data"] / "README").write_text("datasets live here\n")
+    if case.toml is not None:
+        dirs["toml"].write_text(case.toml)
+    if case.prepare is not None:
+        case.prepare(tmp_path)
+    args = [fill(a, dirs, escape=False) for a in (*BASE_ARGS, *case.args)]
+    patterns = [fill(p, dirs, escape=True) for p in case.patterns]
+    if case.field is not None:
+        assert case.value is not None
+        patterns.append(named(case.field, fill(case.value, dirs, escape=False)))
+    before = snapshot(tmp_path)
+
+    bound_s = TORCHRUN_BOUND_S if case.torchrun else PYTHON_BOUND_S
+    outcome = launch(command(case.torchrun, args), bound_s)
+
+    assert_failed_cleanly(outcome, bound_s, patterns, changes(before, snapshot(tmp_path)))
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path):
+    """A 256 KiB tmpfs (needs root), unmounted afterwards."""
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        if subprocess.run(["umount", str(mount_point)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill_up(directory: Path) -> None:
+    """Write until the filesystem refuses with ENOSPC (unbuffered: nothing left to flush)."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as err:
+        assert err.errno == errno.ENOSPC, err
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_full_run_dir_fails_naming_it_and_keeps_existing_files(full_tmpfs: Path) -> None:
+    run_dir = full_tmpfs / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text('{"train": {"epochs": 1}}\n')
+    fill_up(full_tmpfs)
+    before = snapshot(full_tmpfs)
+    dirs = {"run": run_dir, "data": full_tmpfs.parent / "data"}  # synthetic: never read
+    args = [fill(a, dirs, escape=False) for a in BASE_ARGS]
+
+    outcome = launch(command(False, args), PYTHON_BOUND_S)
+
+    patterns = [re.escape(str(run_dir)), r"No space left|ENOSPC|Errno 28"]
+    assert_failed_cleanly(outcome, PYTHON_BOUND_S, patterns, changes(before, snapshot(full_tmpfs)))
+
+
+def test_harness_sees_a_process_that_escaped_into_its_own_session() -> None:
+    """The leak check can fail: a detached grandchild is found (then killed) by its token."""
+    outcome = launch(["bash", "-c", "setsid sleep 30 & exit 3"], bound_s=5)
+    assert outcome.returncode == 3
+    assert any("(sleep)" in entry for entry in outcome.leftovers), outcome.leftovers

@@ -1,0 +1,333 @@
+"""Fault injection: real SIGKILLs, SIGTERMs, hangs and NaNs in real training runs.
+
+Every test compares with an independent reference: the final parameters and optimizer state
+of an uninterrupted run (`torch.equal`), and each epoch's sample digest recomputed here, with
+Python integers, from DistributedSampler's permutation (torch.randperm seeded by seed + epoch).
+Faults are planned with TRAIN_FAULTS (see faults.py) so that they hit a chosen step; they fire
+only in the first attempt of a torchrun job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO
+
+pytestmark = pytest.mark.slow
+
+N_TRAIN, BATCH, ACCUM, SEED, EPOCHS = 250, 16, 2, 0, 3
+P = 2_147_483_647
+COMMON = [
+    "--data.dataset=synthetic",
+    f"--data.synthetic_train_size={N_TRAIN}",
+    "--data.synthetic_eval_size=64",
+    f"--data.batch_size={BATCH}",
+    f"--train.grad_accum_steps={ACCUM}",
+    f"--train.epochs={EPOCHS}",
+    "--model.widths=4,8,8",
+    "--log.tensorboard=false",
+    "--data.num_workers=1",
+    "--log.every_steps=1",
+    "--optim.warmup_steps=2",
+    "--dist.timeout_s=20",
+    "--dist.preflight=false",
+]
+
+
+def launch(
+    run_dir: Path, nproc: int, *args: str, faults: str = "", restarts: int = 0, timeout: int = 240
+) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, "train.py"]
+    else:
+        cmd = [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={restarts}",
+            "train.py",
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults}
+    proc = subprocess.run(
+        [*cmd, f"--run.dir={run_dir}", *COMMON, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    proc.output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
+    return proc
+
+
+def final_state(run_dir: Path) -> dict:
+    directory = run_dir / "checkpoints"
+    newest = max(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    return torch.load(newest, weights_only=True)
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for name, value in state_a[index].items():
+            assert torch.equal(value, state_b[index][name]), (index, name)
+
+
+def eval_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["kind"] == "eval"]
+
+
+def expected_digest(epoch: int, consumed: int) -> str:
+    """Digest of the first `consumed` samples of the epoch's order: the independent reference
+    for 'every sample of the epoch seen exactly once, across ranks and restarts'."""
+    order = torch.randperm(N_TRAIN, generator=torch.Generator().manual_seed(SEED + epoch))
+    h1s = [(i * 1103515245 + 12345) % P for i in order[:consumed].tolist()]
+    h2s = [(h * 48271 + 11) % P for h in h1s]
+    return f"{consumed}:{sum(h1s):x}:{sum(h2s):x}"
+
+
+def epoch_digests(run_dir: Path) -> dict[int, str]:
+    """The digest logged at the end of each epoch (the last eval row of the epoch)."""
+    return {row["epoch"]: row["epoch_sample_digest"] for row in eval_rows(run_dir)}
+
+
+def samples_per_epoch(world: int) -> int:
+    return (N_TRAIN // world) // BATCH // ACCUM * BATCH * ACCUM * world
+
+
+@pytest.fixture(scope="module")
+def reference_1(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ref1")
+    proc = launch(run_dir, 1)
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert epoch_digests(run_dir) == {
+        e: expected_digest(e, samples_per_epoch(1)) for e in range(EPOCHS)
+    }
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference_2(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ref2")
+    proc = launch(run_dir, 2)
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert epoch_digests(run_dir) == {
+        e: expected_digest(e, samples_per_epoch(2)) for e in range(EPOCHS)
+    }
+    return run_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# 1 + 3. Exact resume after preemption at any step (accumulation 2, one loader worker)
+
+
+@pytest.mark.parametrize("stop_after", [1, 6, 7, 12])  # 7 steps per epoch: 7 is its end
+def test_preempted_run_resumes_exactly(tmp_path, reference_1, stop_after) -> None:
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 1, faults=f"sigterm@step={stop_after - 1}")
+    assert first.returncode == 75, first.output[-3000:]
+    assert f"preempted by SIGTERM at step {stop_after}" in first.output
+    assert final_state(run_dir)["step"] == stop_after  # the checkpoint of the step boundary
+    second = launch(run_dir, 1)
+    assert second.returncode == 0, second.output[-3000:]
+    assert_same_training_state(final_state(run_dir), final_state(reference_1))
+    assert epoch_digests(run_dir) == epoch_digests(reference_1)
+
+
+def test_configurable_signal_sigusr2_preempts(tmp_path, reference_1) -> None:
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 1, "--run.preempt_signals=SIGUSR2", faults="sigusr2@step=3")
+    assert first.returncode == 75 and "preempted by SIGUSR2 at step 4" in first.output
+    assert launch(run_dir, 1).returncode == 0
+    assert_same_training_state(final_state(run_dir), final_state(reference_1))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Elastic restart under torchrun
+
+
+def test_sigkill_of_one_worker_restarts_and_matches_uninterrupted(tmp_path, reference_2) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, 2, "--ckpt.every_steps=2", faults="sigkill@step=4,rank=1", restarts=1)
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "exitcode: -9" in proc.output  # the kill really happened
+    assert "resuming from" in proc.output and "step_4.pt" in proc.output
+    assert_same_training_state(final_state(run_dir), final_state(reference_2))
+    # Epoch 1 was cut at step 4 and finished by the restarted group: still each sample once.
+    assert epoch_digests(run_dir) == {
+        e: expected_digest(e, samples_per_epoch(2)) for e in range(EPOCHS)
+    }
+
+
+def test_exhausted_restart_budget_reports_the_root_cause(tmp_path) -> None:
+    proc = launch(tmp_path / "run", 2, faults="sigkill@step=2,rank=1", restarts=0)
+    assert proc.returncode != 0
+    for expected in ("local_rank: 1", "exitcode: -9", "Signal 9 (SIGKILL)", socket.gethostname()):
+        assert expected in proc.output, expected
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Preemption across ranks
+
+
+def test_sigterm_on_one_rank_checkpoints_on_all_and_resumes(tmp_path, reference_2) -> None:
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 2, faults="sigterm@step=3,rank=1")
+    assert first.returncode != 0
+    assert first.output.count("exitcode: 75") >= 1 or "exitcode: 75" in first.output
+    assert final_state(run_dir)["step"] == 4  # saved at the boundary after the signal
+    second = launch(run_dir, 2)
+    assert second.returncode == 0, second.output[-3000:]
+    assert_same_training_state(final_state(run_dir), final_state(reference_2))
+    assert epoch_digests(run_dir) == epoch_digests(reference_2)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "launch_multinode.sh"])
+def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path, launcher) -> None:
+    """A real external signal to the launcher: SIGTERM to torchrun (what Kubernetes sends to
+    PID 1), SIGUSR2 to launch_multinode.sh (what train.sbatch forwards through srun). Exact
+    resumption from such a checkpoint is proven by the TRAIN_FAULTS tests above."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        cmd += ["train.py"]
+        sig = signal.SIGTERM
+    else:
+        cmd = ["bash", "scripts/launch_multinode.sh"]
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port_pair()), NNODES="1")
+        env.update(NODE_RANK="0", NPROC_PER_NODE="2", MAX_RESTARTS="0")
+        sig = signal.SIGUSR2
+    args = [f"--run.dir={run_dir}", *COMMON]
+    with (tmp_path / "out.log").open("w") as log:
+        proc = subprocess.Popen(
+            [*cmd, *args, "--train.epochs=40"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    returncode = proc.wait(timeout=60)
+    output = (tmp_path / "out.log").read_text()
+    assert "preempted by SIGTERM" in output, output[-3000:]
+    if launcher != "torchrun":
+        assert returncode == 75, output[-3000:]
+    stopped = final_state(run_dir)["step"]
+    assert 1 <= stopped < 40 * 3
+    # No step lost: the next run starts at the step the signal stopped.
+    resumed = launch(run_dir, 2, "--train.epochs=40", f"--train.max_steps={stopped + 1}")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"at step {stopped} " in resumed.output
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Non-finite values
+
+
+def test_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(
+        run_dir,
+        2,
+        "--ckpt.every_steps=1",
+        "--ckpt.keep=20",
+        "--train.max_steps=6",
+        faults="nan@step=3,rank=1",
+    )
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "step 4: non-finite loss on rank(s) [1]; skipped the optimizer step" in proc.output
+    ckpts = {
+        step: torch.load(run_dir / "checkpoints" / f"step_{step}.pt", weights_only=True)
+        for step in (3, 4, 5)
+    }
+    same = {**ckpts[4], "step": 3}
+    assert_same_training_state(ckpts[3], same)  # step 4 changed nothing, on the saved rank 0
+    assert not torch.equal(ckpts[5]["model"]["head.weight"], ckpts[4]["model"]["head.weight"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows if r["kind"] == "train"][:6] == [0, 0, 0, 1, 0, 0]
+
+
+def test_consecutive_nonfinite_steps_stop_with_a_clear_error(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    plan = ";".join(f"nan@step={step}" for step in (2, 3, 4))
+    proc = launch(run_dir, 1, "--train.max_nonfinite_steps=3", "--ckpt.every_steps=1", faults=plan)
+    assert proc.returncode == 3, proc.output[-3000:]
+    assert "3 consecutive optimizer steps had a non-finite loss" in proc.output
+    assert "train.max_nonfinite_steps=3" in proc.output
+    assert final_state(run_dir)["step"] <= 4  # nothing saved after the divergence
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Hangs are bounded
+
+
+def test_hung_rank_is_aborted_and_the_group_restarts(tmp_path, reference_2) -> None:
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = launch(
+        run_dir,
+        2,
+        "--ckpt.every_steps=2",
+        "--dist.timeout_s=5",
+        faults="hang@step=3,rank=1",
+        restarts=1,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "rank 1 on" in proc.output and "made no progress for" in proc.output
+    assert "in data loading of step 4" in proc.output
+    assert_same_training_state(final_state(run_dir), final_state(reference_2))
+    assert elapsed < 150  # a hang would have run into the subprocess timeout
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Resuming with another world size, mid-epoch
+
+
+def test_mid_epoch_resume_on_another_world_size_sees_each_sample_once(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 2, faults="sigterm@step=3,rank=0")  # stops at step 4: epoch 1
+    assert final_state(run_dir)["samples_in_epoch"] == 1 * BATCH * ACCUM * 2
+    second = launch(run_dir, 1)
+    assert second.returncode == 0, first.output[-2000:] + second.output[-3000:]
+    assert "global batch 64 (2 ranks) -> 32 (1 ranks)" in second.output
+    consumed_by_two = BATCH * ACCUM * 2
+    rest_on_one = (N_TRAIN - consumed_by_two) // BATCH // ACCUM * BATCH * ACCUM
+    assert epoch_digests(run_dir) == {
+        0: expected_digest(0, samples_per_epoch(2)),
+        1: expected_digest(1, consumed_by_two + rest_on_one),
+        2: expected_digest(2, samples_per_epoch(1)),
+    }
