@@ -84,7 +84,12 @@ def test_augmentation_depends_only_on_seed_epoch_and_index() -> None:
     outputs = {aug[(epoch, 7)][0].numpy().tobytes() for epoch in range(20)}
     assert len(outputs) > 5  # crops and flips vary across epochs
     image, label, index = aug[(0, 7)]
-    assert image.shape == (1, 28, 28) and image.dtype == torch.uint8 and label == base[7][1] and index == 7
+    assert (
+        image.shape == (1, 28, 28)
+        and image.dtype == torch.uint8
+        and label == base[7][1]
+        and index == 7
+    )
 
 
 def test_crop_is_a_shifted_window_of_the_padded_image() -> None:
