@@ -55,8 +55,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Call `write(file)` on a temporary file next to `path`, then fsync and rename it."""
+def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: bool = True) -> None:
+    """Call `write(file)` on a temporary file next to `path`, then fsync and rename it.
+
+    `sync_dir=False` leaves the directory's fsync to a later atomic write in the same
+    directory (one directory fsync makes every rename before it durable).
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
@@ -70,7 +74,8 @@ def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    if sync_dir:
+        _fsync_dir(path.parent)
 
 
 class _HashingWriter:
@@ -136,6 +141,7 @@ def save(
     checkpoint is never removed before its successor is verified.
     """
     faults.fire("save", "begin", 0)
+    require_finite(state.get("model", {}), step)
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(directory)
     path = directory / f"step_{step}.pt"
@@ -149,7 +155,9 @@ def save(
         f.flush()
         faults.fire("save", "written", 0)
 
-    atomic_write_bytes(path, write)
+    # The manifest's write below fsyncs the directory for both renames. Until then a crash may
+    # lose the new name: loading skips a manifest without its file, and the older ones remain.
+    atomic_write_bytes(path, write, sync_dir=False)
     faults.fire("save", "renamed", 0)
     expected = hashed[0].sha256.hexdigest()
     actual = file_sha256(path)
@@ -173,6 +181,21 @@ def save(
     _prune(directory, keep, step, best["step"] if best else None)
     log.info("saved checkpoint %s (%d bytes, sha256 %s)", path, hashed[0].bytes, expected[:12])
     return path
+
+
+def require_finite(model_state: dict[str, Any], step: int) -> None:
+    """Refuse to save a model holding NaN or Inf (one fused norm over all float tensors; the
+    offending entry is looked up only when that norm is not finite)."""
+    floats = {k: v for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()}
+    if not floats:
+        return
+    norms = torch._foreach_norm([v.float() for v in floats.values()])
+    if bool(torch.stack(norms).isfinite().all()):
+        return
+    bad = next((k for k, v in floats.items() if not bool(torch.isfinite(v).all())), None)
+    if bad is None:  # finite values whose norm overflows: nothing to refuse
+        return
+    raise FloatingPointError(f"refusing to checkpoint step {step}: {bad} holds NaN or Inf values")
 
 
 def _prune(directory: Path, keep: int, saved_step: int, best_step: int | None) -> None:

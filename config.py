@@ -109,6 +109,15 @@ class DataConfig:
         default=2,
         metadata=doc("DataLoader worker processes per rank; 0 loads in the training process"),
     )
+    loader: Literal["auto", "device", "dataloader"] = field(
+        default="auto",
+        metadata=doc(
+            "training data path: device = the whole uint8 training set on the device, batches "
+            "gathered and augmented there (same order, shards and augmentation as the "
+            "DataLoader); dataloader = torch DataLoader with data.num_workers; auto = device for "
+            "in-memory datasets that fit (under a quarter of free GPU memory), else dataloader"
+        ),
+    )
     prefetch_factor: int = field(
         default=4, metadata=doc("batches each worker prepares ahead (ignored when num_workers = 0)")
     )
@@ -199,10 +208,11 @@ class ModelConfig:
             "group (per sample: shard- and micro-batch-invariant), none"
         ),
     )
-    channels_last: bool = field(
-        default=False,
+    channels_last: Literal["auto", "on", "off"] = field(
+        default="auto",
         metadata=doc(
-            "store activations in channels_last memory format (faster on tensor-core GPUs)"
+            "store weights and activations in channels_last memory format; auto = on CUDA "
+            "(tensor cores read NHWC), off on CPU"
         ),
     )
 
@@ -240,6 +250,13 @@ class OptimConfig:
         ),
     )
     momentum: float = field(default=0.9, metadata=doc("SGD momentum"))
+    impl: Literal["auto", "fused", "foreach", "loop"] = field(
+        default="auto",
+        metadata=doc(
+            "optimizer kernels: fused (one kernel, CUDA), foreach (one kernel per op over all "
+            "tensors), loop (per tensor); auto = fused on CUDA, foreach otherwise"
+        ),
+    )
     nesterov: bool = field(default=True, metadata=doc("SGD Nesterov momentum"))
     betas: tuple[float, ...] = field(default=(0.9, 0.999), metadata=doc("AdamW betas"))
     weight_decay: float = field(
@@ -324,7 +341,14 @@ class TrainConfig:
         default=0,
         metadata=doc("seed of model init, data order and augmentation (same on every rank)"),
     )
-    compile: bool = field(default=False, metadata=doc("wrap the model in torch.compile"))
+    compile: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=doc("wrap the model in torch.compile; auto = on CUDA, off on CPU"),
+    )
+    cuda_fast_math: bool = field(
+        default=True,
+        metadata=doc("on CUDA: cudnn.benchmark and TF32 matmuls/convolutions for fp32 work"),
+    )
     max_nonfinite_steps: int = field(
         default=5,
         metadata=doc(
@@ -414,6 +438,28 @@ class DistConfig:
             "and config (one all-gather)"
         ),
     )
+    bucket_cap_mb: float = field(
+        default=25.0,
+        metadata=doc("DDP gradient bucket size in MiB: larger = fewer all-reduces, later start"),
+    )
+    gradient_as_bucket_view: bool = field(
+        default=True,
+        metadata=doc("DDP: gradients are views into the all-reduce buckets (no copy, less memory)"),
+    )
+    static_graph: bool = field(
+        default=False,
+        metadata=doc(
+            "DDP static_graph: the same parameters are used every step (enables overlap "
+            "optimisations; wrong for models with conditional branches)"
+        ),
+    )
+    grad_compression: Literal["none", "fp16", "bf16"] = field(
+        default="none",
+        metadata=doc(
+            "DDP communication hook: all-reduce gradients in 16 bits (half the bytes on the "
+            "wire; slightly different numerics)"
+        ),
+    )
     preflight_bandwidth: bool = field(
         default=False,
         metadata=doc("before step 0, time all-reduces of 1, 16 and 64 MB and log bus bandwidth"),
@@ -425,6 +471,12 @@ class DistConfig:
             "dist.timeout_s",
             self.timeout_s,
             "must be a number of seconds > 0",
+        )
+        _require(
+            math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+            "dist.bucket_cap_mb",
+            self.bucket_cap_mb,
+            "must be a size in MiB > 0",
         )
 
 
@@ -439,9 +491,45 @@ class LogConfig:
         default="auto",
         metadata=doc("progress bar on rank 0: auto = only when stderr is a terminal"),
     )
+    straggler_every_steps: int = field(
+        default=500,
+        metadata=doc(
+            "every N optimizer steps log each rank's step time and arrival at the gradient "
+            "all-reduce (min/median/max, the slowest rank named); 0 = off"
+        ),
+    )
+    profile_steps: tuple[int, ...] = field(
+        default=(),
+        metadata=doc(
+            "START,END: record optimizer steps START..END-1 with torch.profiler into "
+            "run.dir/tensorboard/profile (TensorBoard's profiler tab); empty = off"
+        ),
+    )
+    mfu: bool = field(
+        default=True,
+        metadata=doc(
+            "count the model's FLOPs (torch.utils.flop_counter) and time a matmul at start-up to "
+            "log achieved TFLOP/s and model FLOP utilisation"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 1, "log.every_steps", self.every_steps, "must be >= 1")
+        _require(
+            self.straggler_every_steps >= 0,
+            "log.straggler_every_steps",
+            self.straggler_every_steps,
+            "use 0 for off or a positive count",
+        )
+        _require(
+            not self.profile_steps
+            or (
+                len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] < self.profile_steps[1]
+            ),
+            "log.profile_steps",
+            ",".join(map(str, self.profile_steps)),
+            "give START,END with 0 <= START < END",
+        )
 
 
 @dataclass(frozen=True)

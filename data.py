@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 import distributed
-from config import DataConfig
+from config import ConfigError, DataConfig
 from distributed import DistInfo
 
 log = logging.getLogger(__name__)
@@ -443,9 +443,120 @@ def _loader_options(cfg: DataConfig, info: DistInfo, seed: int) -> dict[str, Any
     return options
 
 
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def mix64_many(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
+    """`_mix64(seed, epoch, index)` for an array of indices (uint64 arithmetic wraps)."""
+    h = np.full(indices.shape, 0x9E3779B97F4A7C15, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for value in (
+            np.uint64(seed & _MASK64),
+            np.uint64(epoch & _MASK64),
+            indices.astype(np.uint64),
+        ):
+            h = (h ^ value) * _M1
+            h = (h ^ (h >> np.uint64(27))) * _M2
+            h ^= h >> np.uint64(31)
+    return h
+
+
+def augment_batch(images: torch.Tensor, hashes: np.ndarray, padding: int) -> torch.Tensor:
+    """`Augmented`'s crop and flip for a whole batch at once, on the images' device.
+
+    Bit-identical to the per-sample path: the same hash bits pick the same offsets and flips.
+    """
+    device = images.device
+    n, _, height, width = images.shape
+    out = images
+    if padding:
+        span = np.uint64(2 * padding + 1)
+        top = torch.from_numpy((hashes % span).astype(np.int64)).to(device, non_blocking=True)
+        left = torch.from_numpy(((hashes >> np.uint64(16)) % span).astype(np.int64))
+        left = left.to(device, non_blocking=True)
+        padded = torch.nn.functional.pad(images, [padding] * 4).permute(0, 2, 3, 1)
+        rows = (top[:, None] + torch.arange(height, device=device))[:, :, None]
+        cols = (left[:, None] + torch.arange(width, device=device))[:, None, :]
+        out = padded[torch.arange(n, device=device)[:, None, None], rows, cols].permute(0, 3, 1, 2)
+    flip = torch.from_numpy(((hashes >> np.uint64(32)) & np.uint64(1)).astype(bool))
+    flip = flip.to(device, non_blocking=True)[:, None, None, None]
+    return torch.where(flip, out.flip(-1), out).contiguous()
+
+
+class DeviceLoader:
+    """Training batches from a dataset held on the device as one uint8 tensor.
+
+    The same sampler as the DataLoader path (order, shards, resume position) and the same
+    augmentation, batched: per step one index gather, one pad, one crop gather and one flip on
+    the device instead of a Python call per sample, and no worker processes. Yields
+    `(images, labels, indices)` like the DataLoader (indices on the CPU, for the ledger).
+    """
+
+    def __init__(
+        self,
+        base: ImageTensors,
+        sampler: EpochSampler,
+        cfg: DataConfig,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        self.images = base.images.to(device)
+        self.labels = base.labels.to(device)
+        self.sampler = sampler
+        self.batch_size = cfg.batch_size
+        self.seed = seed
+        self.padding = cfg.crop_padding
+        self.augment = cfg.augment
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        epoch = self.sampler.epoch
+        indices = np.fromiter((index for _, index in self.sampler), dtype=np.int64)
+        hashes = mix64_many(self.seed, epoch, indices) if self.augment else None
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            batch = torch.from_numpy(indices[start : start + self.batch_size])
+            on_device = batch.to(self.device, non_blocking=True)
+            images = self.images.index_select(0, on_device)
+            if hashes is not None:
+                images = augment_batch(
+                    images, hashes[start : start + self.batch_size], self.padding
+                )
+            yield images, self.labels.index_select(0, on_device), batch
+
+
+def in_memory(dataset: Dataset) -> ImageTensors | None:
+    """The dataset as one ImageTensors (a Subset materialised), or None if it is not in memory."""
+    if isinstance(dataset, ImageTensors):
+        return dataset
+    if isinstance(dataset, Subset) and isinstance(dataset.dataset, ImageTensors):
+        indices = torch.as_tensor(dataset.indices, dtype=torch.long)
+        return ImageTensors(dataset.dataset.images[indices], dataset.dataset.labels[indices])
+    return None
+
+
+def _use_device_path(cfg: DataConfig, base: ImageTensors | None, device: torch.device) -> bool:
+    if cfg.loader == "dataloader":
+        return False
+    if base is None:
+        if cfg.loader == "device":
+            raise ConfigError(
+                f"data.loader=device needs an in-memory dataset; data.dataset={cfg.dataset} is "
+                "read from files: use data.loader=dataloader or auto"
+            )
+        return False
+    if cfg.loader == "device" or device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return base.images.numel() < free // 4
+
+
 def build_train_loader(
     splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int
-) -> DataLoader:
+) -> DataLoader | DeviceLoader:
+    """The training loader: `DeviceLoader` or a DataLoader (see data.loader)."""
     dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
     sampler = EpochSampler(dataset, info, seed)
     if len(sampler) < cfg.batch_size:
@@ -453,6 +564,10 @@ def build_train_loader(
             f"each of the {info.world_size} ranks gets {len(sampler)} training "
             f"samples, fewer than --data.batch_size={cfg.batch_size}"
         )
+    base = in_memory(splits.train) if cfg.loader != "dataloader" else None
+    if _use_device_path(cfg, base, info.device):
+        assert base is not None
+        return DeviceLoader(base, sampler, cfg, seed, info.device)
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -472,7 +587,7 @@ def build_eval_loader(splits: DataSplits, cfg: DataConfig, info: DistInfo, seed:
     )
 
 
-def set_epoch(loader: DataLoader, epoch: int, consumed: int = 0) -> None:
+def set_epoch(loader: DataLoader | DeviceLoader, epoch: int, consumed: int = 0) -> None:
     """The one place that advances the training sampler: call once at the top of every epoch.
 
     `consumed`: samples of the epoch already trained on, summed over ranks (0 for a new epoch).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 # Re-exported for train.py: wrapping the entry point makes torchrun report the failing rank's
 # exception and traceback instead of a bare "exitcode 1".
@@ -86,16 +88,38 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
+def collective_grace_s(timeout_s: float) -> float:
+    """Extra time a rank waiting in a collective gets over one doing its own work.
+
+    A rank stuck in its own work (data loading) is aborted by its watchdog after
+    dist.timeout_s; the ranks waiting for it in a collective time out only this grace later
+    (the process group's timeout is timeout_s + grace), so the stuck rank fails first and is
+    what torchrun's summary names as the root cause.
+    """
+    return max(5.0, 0.1 * timeout_s)
+
+
 def _attempt_store(timeout: timedelta) -> dist.Store | None:
-    """Under torchrun's shared rendezvous store, a store namespaced by restart attempt.
+    """Under torchrun's shared rendezvous store on one node, a store namespaced by attempt.
 
     torchrun (c10d rendezvous) keeps one TCPStore for all restarts of a job and env://
     writes the process group's keys into it without an attempt prefix, so a restarted group
     can read the dead workers' addresses and fail in gloo's connectFullMesh ("Connection
-    refused"). Our launchers also set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per
-    rendezvous round); this covers plain torchrun. None: use env:// as it is.
+    refused"). Our launchers set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per
+    rendezvous round), which fixes it everywhere. For plain torchrun on one node the attempt
+    number (TORCHELASTIC_RESTART_COUNT, the same for all its workers) is a safe prefix; across
+    nodes the agents' counts can differ, so there only the environment variable helps.
+    None: use env:// as it is.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        if os.environ.get("RANK") == "0":
+            log.warning(
+                "torchrun shares its rendezvous store across restarts: a restarted multi-node "
+                "group may fail to connect. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for "
+                "torchrun (scripts/launch_multinode.sh does)"
+            )
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(
@@ -128,7 +152,7 @@ def setup(cfg: DistConfig) -> DistInfo:
         # Before init_process_group: NCCL binds its communicator to the current device, and
         # without this every rank would create a context on GPU 0.
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=cfg.timeout_s)
+    timeout = timedelta(seconds=cfg.timeout_s + collective_grace_s(cfg.timeout_s))
     store = _attempt_store(timeout)
     dist.init_process_group(
         backend=backend,
@@ -221,12 +245,66 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
-    """DistributedDataParallel around `model` when there is more than one rank."""
+class AllReduceTimer:
+    """A DDP communication hook around the default (or compressing) all-reduce that records,
+    per optimizer step, when the first gradient bucket was handed to the all-reduce (this
+    rank's arrival) and how long the buckets' all-reduces took from first start to last end.
+
+    On gloo the completion callback runs when the all-reduce has finished; on NCCL it runs
+    when the work is done on the stream as seen from the host, so treat those figures as
+    approximate.
+    """
+
+    def __init__(self, inner: Any | None = None) -> None:
+        self.inner = inner or default_hooks.allreduce_hook
+        self.first_start: float | None = None
+        self.last_end = 0.0
+
+    # Registered as the bound method. No annotations: DDP's register_comm_hook rejects any but
+    # its own classes, and with postponed evaluation every annotation here is a string.
+    def hook(self, state, bucket):  # noqa: ANN001, ANN201
+        now = time.perf_counter()
+        if self.first_start is None:
+            self.first_start = now
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            self.last_end = time.perf_counter()
+            return fut.value()
+
+        return self.inner(state, bucket).then(done)
+
+    def take(self) -> tuple[float | None, float]:
+        """(time of this step's first bucket, seconds of all-reduce) and reset."""
+        first = self.first_start
+        span = self.last_end - first if first is not None and self.last_end > first else 0.0
+        self.first_start = None
+        return first, span
+
+
+def wrap_model(model: nn.Module, info: DistInfo, cfg: DistConfig | None = None) -> nn.Module:
+    """DistributedDataParallel around `model` when there is more than one rank, with the
+    bucket, view, static-graph and gradient-compression settings of `cfg`, and an
+    `AllReduceTimer` as its communication hook (`model.allreduce_timer`)."""
     if info.world_size == 1:
         return model
+    cfg = cfg or DistConfig()
     device_ids = [info.local_rank] if info.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+    )
+    compression = {
+        "none": None,
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+    }[cfg.grad_compression]
+    timer = AllReduceTimer(compression)
+    ddp.register_comm_hook(state=None, hook=timer.hook)
+    ddp.allreduce_timer = timer
+    return ddp
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

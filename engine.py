@@ -42,6 +42,13 @@ def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.Gr
     return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
+def optimizer_kernels(impl: str, device: torch.device) -> dict[str, bool]:
+    """The `fused`/`foreach` keyword arguments for `--optim.impl` on `device`."""
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """SGD or AdamW; weight decay on conv/linear weights only, not on norm scales or biases."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -50,12 +57,18 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    device = next(model.parameters()).device
+    kernels = optimizer_kernels(cfg.impl, device)
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
+            groups,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov and cfg.momentum > 0,
+            **kernels,
         )
     beta1, beta2 = cfg.betas
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(beta1, beta2))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(beta1, beta2), **kernels)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -3,14 +3,198 @@
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import distributed
+from distributed import DistInfo
 from engine import StepStats
+
+log = logging.getLogger(__name__)
+
+PHASES = ("data", "fwd_bwd", "optimizer")
+
+
+class PhaseClock:
+    """Per-step durations of the data, forward+backward and optimizer phases.
+
+    Host clock on CPU. On CUDA, events recorded on the stream (the host runs ahead of the
+    GPU) and read when the figures are reduced, which synchronises anyway.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, Any, Any]] = []
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, phase: str, start: Any, end: Any) -> None:
+        if self.cuda and phase != "data":  # data wait is host time: the host waits for it
+            self.pending.append((phase, start, end))
+        elif self.cuda:
+            self.seconds[phase] += 0.0 if start is None else end - start
+        else:
+            self.seconds[phase] += end - start
+
+    def take(self) -> dict[str, float]:
+        """Seconds per phase since the last call."""
+        for phase, start, end in self.pending:
+            end.synchronize()
+            self.seconds[phase] += start.elapsed_time(end) / 1000
+        out, self.pending, self.seconds = self.seconds, [], dict.fromkeys(PHASES, 0.0)
+        return out
+
+
+class StragglerReport:
+    """Every N steps: each rank's mean step time and arrival at the gradient all-reduce
+    (seconds from the start of its step to its first gradient bucket), all-gathered; rank 0
+    logs min, median and max and names the slowest rank."""
+
+    def __init__(self, info: DistInfo, every: int) -> None:
+        self.info = info
+        self.every = every
+        self.step_s: list[float] = []
+        self.arrival_s: list[float] = []
+
+    def add(self, step_s: float, arrival_s: float | None) -> None:
+        self.step_s.append(step_s)
+        if arrival_s is not None:
+            self.arrival_s.append(arrival_s)
+
+    def maybe_report(self, step: int) -> dict[str, Any] | None:
+        """Collective every `every` steps (all ranks call it every step)."""
+        if not self.every or step % self.every or not self.step_s:
+            return None
+        mine = (
+            statistics.fmean(self.step_s),
+            statistics.fmean(self.arrival_s) if self.arrival_s else float("nan"),
+            socket.gethostname(),
+        )
+        self.step_s, self.arrival_s = [], []
+        gathered = distributed.all_gather_object(mine)
+        steps = [g[0] for g in gathered]
+        arrivals = [g[1] for g in gathered]
+        slowest = max(
+            range(len(gathered)),
+            key=lambda r: arrivals[r] if arrivals[r] == arrivals[r] else steps[r],
+        )
+        report = {
+            "step_ms_min": 1000 * min(steps),
+            "step_ms_median": 1000 * statistics.median(steps),
+            "step_ms_max": 1000 * max(steps),
+            "arrival_ms_min": 1000 * min(arrivals),
+            "arrival_ms_median": 1000 * statistics.median(arrivals),
+            "arrival_ms_max": 1000 * max(arrivals),
+            "slowest_rank": slowest,
+            "slowest_host": gathered[slowest][2],
+        }
+        log.info(
+            "stragglers at step %d: step %.1f/%.1f/%.1f ms, arrival at the gradient all-reduce "
+            "%.1f/%.1f/%.1f ms (min/median/max over %d ranks); slowest: rank %d on %s",
+            step,
+            report["step_ms_min"],
+            report["step_ms_median"],
+            report["step_ms_max"],
+            report["arrival_ms_min"],
+            report["arrival_ms_median"],
+            report["arrival_ms_max"],
+            len(gathered),
+            slowest,
+            report["slowest_host"],
+        )
+        return report
+
+
+class StepProfiler:
+    """torch.profiler over optimizer steps [START, END), written for TensorBoard's profiler."""
+
+    def __init__(
+        self, steps: tuple[int, ...], run_dir: Path, rank: int, device: torch.device
+    ) -> None:
+        self.start, self.end = steps if steps else (-1, -1)
+        self.run_dir = run_dir
+        self.rank = rank
+        self.device = device
+        self.prof: Any = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.start:
+            return
+        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        trace_dir = self.run_dir / "tensorboard" / "profile"
+        self.prof = profile(
+            activities=activities,
+            on_trace_ready=tensorboard_trace_handler(
+                str(trace_dir), worker_name=f"rank{self.rank}"
+            ),
+            record_shapes=True,
+        )
+        self.prof.start()
+
+    def after_step(self, step: int) -> None:
+        """`step` = optimizer steps done; stops after step END - 1 (or at the run's end)."""
+        if self.prof is not None and step >= self.end:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()  # writes the trace
+            log.info(
+                "profiler trace of steps %d-%d written under %s",
+                self.start,
+                self.end - 1,
+                self.run_dir / "tensorboard" / "profile",
+            )
+            self.prof = None
+
+
+def flops_per_sample(model: nn.Module, sample: torch.Tensor, loss_fn: nn.Module) -> float:
+    """Forward + backward FLOPs of one training sample (torch.utils.flop_counter), counted on a
+    copy of the bare model so that no statistic of the real one moves."""
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    probe = copy.deepcopy(distributed.unwrap_model(model)).train()
+    batch = sample[:2]
+    counter = FlopCounterMode(display=False)
+    with counter:
+        logits = probe(batch)
+        loss_fn(logits, torch.zeros(len(batch), dtype=torch.long, device=batch.device)).backward()
+    return counter.get_total_flops() / len(batch)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of the best of a few large matmuls in `dtype` on `device` (the hardware limit
+    this process can reach: on CPU with its torch threads)."""
+    size = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        (a @ b).sum().item()
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
 
 
 class TrainMeter:
@@ -27,8 +211,11 @@ class TrainMeter:
 
     def _reset(self) -> None:
         # loss sum, correct and samples of applied steps; data-wait seconds, step seconds,
-        # samples of all steps (skipped ones too) -- summed over ranks in `reduce`
-        self.totals = torch.zeros(6, device=self.device, dtype=torch.float64)
+        # samples of all steps (skipped ones too), seconds of forward+backward, of the
+        # optimizer and of gradient all-reduce, steps -- summed over ranks in `reduce`
+        self.totals = torch.zeros(10, device=self.device, dtype=torch.float64)
+        self.allreduce_s = 0.0
+        self.steps = 0
         self.data_wait_s = 0.0
         self.samples = 0
         self.skipped = 0
@@ -44,25 +231,40 @@ class TrainMeter:
             self.totals[2] += stats.num_samples
         self.samples += stats.num_samples
         self.data_wait_s += data_wait_s
+        self.steps += 1
 
-    def reduce(self) -> dict[str, float]:
-        """Global loss, accuracy, samples/s and data-wait fraction since the last call."""
+    def add_allreduce(self, seconds: float) -> None:
+        self.allreduce_s += seconds
+
+    def reduce(self, phases: dict[str, float] | None = None) -> dict[str, float]:
+        """Global loss, accuracy, samples/s, data-wait fraction and per-step times (ms, mean
+        over ranks) since the last call. `phases`: this rank's seconds per phase."""
         elapsed = time.perf_counter() - self.started
+        phases = phases or {}
         self.totals[3] = self.data_wait_s
         self.totals[4] = elapsed
         self.totals[5] = self.samples
+        self.totals[6] = phases.get("fwd_bwd", 0.0)
+        self.totals[7] = phases.get("optimizer", 0.0)
+        self.totals[8] = self.allreduce_s
+        self.totals[9] = self.steps
         skipped = self.skipped
-        loss_sum, correct, samples, wait, busy, all_samples = distributed.all_reduce_sum(
-            self.totals
-        ).tolist()
+        values = distributed.all_reduce_sum(self.totals).tolist()
+        loss_sum, correct, samples, wait, busy, all_samples, fwd_bwd, opt, allreduce, steps = values
         self._reset()
         mean_elapsed = busy / self.world_size
+        per_step_ms = 1000 / steps if steps else 0.0  # sums over ranks / (steps x ranks) x ranks
         return {
             "loss": loss_sum / samples if samples else float("nan"),
             "accuracy": correct / samples if samples else float("nan"),
             "samples_per_s": all_samples / mean_elapsed if mean_elapsed > 0 else 0.0,
             "data_wait_frac": wait / busy if busy > 0 else 0.0,
             "skipped_steps": skipped,
+            "step_ms": busy * per_step_ms,
+            "data_ms": wait * per_step_ms,
+            "fwd_bwd_ms": fwd_bwd * per_step_ms,
+            "optimizer_ms": opt * per_step_ms,
+            "allreduce_ms": allreduce * per_step_ms,
         }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import logging
 import os
 import random
@@ -71,6 +72,10 @@ class PreemptionHandler:
         self._previous: dict[signal.Signals, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: stop now, as if unhandled
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.received = signal.Signals(signum).name
 
     def install(self) -> None:
@@ -163,6 +168,11 @@ class StepGuard:
 # Stall watchdog
 
 
+# Phases that wait in collectives for other ranks: the watchdog allows them the collective
+# timeout and one more grace, so that the collective's own error (naming the peers) comes first.
+COLLECTIVE_PHASES = ("forward/backward", "evaluation", "checkpointing")
+
+
 class Watchdog:
     """Aborts this rank when it makes no progress for `timeout_s`, naming where it stood.
 
@@ -198,23 +208,33 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join()
 
+    def limit_s(self, phase: str) -> float:
+        if phase in COLLECTIVE_PHASES:
+            return self.timeout_s + 2 * distributed.collective_grace_s(self.timeout_s)
+        return self.timeout_s
+
     def _run(self) -> None:
         interval = min(2.0, self.timeout_s / 10)
         publish_every, published = max(1.0, interval), 0.0
+        host = socket.gethostname()
         while not self._stop.wait(interval):
             now = time.monotonic()
-            idle = now - self.last_beat
-            if idle > self.timeout_s:
+            step, phase, last_beat = self.step, self.phase, self.last_beat
+            idle = now - last_beat
+            if idle > self.limit_s(phase):
                 self._abort(idle)
             if self._store is not None and now - published >= publish_every:
                 published = now
+                beat = {
+                    "step": step,
+                    "phase": phase,
+                    "since": time.time() - idle,  # wall time of the last beat
+                    "host": host,
+                    "attempt": self._restart,
+                }
                 # A store that went away means the job is ending anyway.
                 with contextlib.suppress(Exception):
-                    self._store.set(
-                        f"heartbeat/{self.info.rank}",
-                        f"{self.step} {self.phase} {time.time():.3f} {socket.gethostname()} "
-                        f"{self._restart}",
-                    )
+                    self._store.set(f"heartbeat/{self.info.rank}", json.dumps(beat))
 
     def _abort(self, idle: float) -> None:
         message = (
@@ -237,17 +257,15 @@ class Watchdog:
         for rank in range(self.info.world_size):
             try:
                 self._store.wait([f"heartbeat/{rank}"], _short_timeout())
-                step, phase, stamp, host, restart = (
-                    self._store.get(f"heartbeat/{rank}").decode().split(" ")
-                )
+                beat = json.loads(self._store.get(f"heartbeat/{rank}"))
             except Exception:
                 rows.append((-1, f"rank {rank}: no heartbeat"))
                 continue
             rows.append(
                 (
-                    int(step),
-                    f"rank {rank} on {host}: {phase} of step {int(step) + 1}, "
-                    f"{now - float(stamp):.1f} s ago",
+                    int(beat["step"]),
+                    f"rank {rank} on {beat['host']}: in {beat['phase']} of step "
+                    f"{int(beat['step']) + 1} for {now - float(beat['since']):.1f} s",
                 )
             )
         rows.sort(key=lambda row: row[0])

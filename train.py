@@ -18,6 +18,7 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
+import contextlib
 import logging
 import os
 import random
@@ -43,7 +44,15 @@ import preflight
 import resilience
 from config import Config, ConfigError, for_world_size, global_batch_size, parse_args
 from distributed import DistInfo
-from metrics import MetricsWriter, TrainMeter
+from metrics import (
+    MetricsWriter,
+    PhaseClock,
+    StepProfiler,
+    StragglerReport,
+    TrainMeter,
+    flops_per_sample,
+    peak_flops,
+)
 from model import MiniResNet
 
 log = logging.getLogger("train")
@@ -99,6 +108,9 @@ class Job:
     data_fingerprint: str
     saver: checkpoint.AsyncSaver | None
     ledger: resilience.SampleLedger
+    # The checkpoint resumed from was written on preemption at the end of an epoch (or of the
+    # run), before that segment's evaluation: evaluate (and save) before training on.
+    pending_eval: bool = False
 
 
 def steps_left_in_epoch(cfg: Config, info: DistInfo, num_train: int, consumed: int) -> int:
@@ -148,6 +160,24 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
             marker.unlink(missing_ok=True)
 
 
+def on_cuda_by_default(setting: str, info: DistInfo) -> bool:
+    """An auto/on/off speed setting: auto means on for CUDA devices, off elsewhere."""
+    return setting == "on" or (setting == "auto" and info.device.type == "cuda")
+
+
+def channels_last(cfg: Config, info: DistInfo) -> bool:
+    return on_cuda_by_default(cfg.model.channels_last, info)
+
+
+def configure_cuda(cfg: Config, info: DistInfo) -> None:
+    """cudnn autotuning (fixed input shapes) and TF32 for fp32 matmuls and convolutions."""
+    if info.device.type != "cuda" or not cfg.train.cuda_fast_math:
+        return
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Module:
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model: nn.Module = MiniResNet(
@@ -164,11 +194,12 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
                 "GPUs only); use model.norm=batch or group on CPU"
             )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    memory_format = torch.channels_last if cfg.model.channels_last else torch.preserve_format
+    memory_format = torch.channels_last if channels_last(cfg, info) else torch.preserve_format
     return model.to(device=info.device, memory_format=memory_format)
 
 
 def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
+    configure_cuda(cfg, info)
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)
     data_fingerprint = data.fingerprint(splits)
     if cfg.dist.preflight:
@@ -199,6 +230,13 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
     total_steps = pos.step + remaining
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
+    if resumed is not None and resumed[1].get("total_steps", total_steps) != total_steps:
+        log.warning(
+            "the run now ends at step %d instead of %d (train.epochs, train.max_steps or the "
+            "world size changed): the cosine learning-rate schedule is stretched to match",
+            total_steps,
+            resumed[1]["total_steps"],
+        )
     model = build_model(cfg, splits, info)
     optimizer = engine.build_optimizer(model, cfg.optim)
     scheduler = engine.build_scheduler(optimizer, cfg.optim, total_steps)
@@ -209,8 +247,8 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
         # Into the bare model, before wrapping: DDP then starts from the loaded weights.
         load_states(*resumed, model, optimizer, scheduler, scaler)
         restore_progress(info, *resumed, pos, ledger)
-    wrapped = distributed.wrap_model(model, info)
-    if cfg.train.compile:
+    wrapped = distributed.wrap_model(model, info, cfg.dist)
+    if on_cuda_by_default(cfg.train.compile, info):
         wrapped = torch.compile(wrapped)
     job = Job(
         model=wrapped,
@@ -221,13 +259,14 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
         loss_fn=nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
         train_loader=train_loader,
         eval_loader=data.build_eval_loader(splits, cfg.data, info, cfg.train.seed),
-        preprocess=data.Preprocess(splits, info.device, cfg.model.channels_last),
+        preprocess=data.Preprocess(splits, info.device, channels_last(cfg, info)),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         num_train=num_train,
         data_fingerprint=data_fingerprint,
         saver=checkpoint.AsyncSaver() if cfg.ckpt.async_save else None,
         ledger=ledger,
+        pending_eval=bool(resumed[1].get("pending_eval")) if resumed is not None else False,
     )
     return job, pos
 
@@ -292,6 +331,10 @@ NON_MATH_KEYS = {
     "train.max_steps",
     "train.compile",
     "train.max_nonfinite_steps",
+    "train.cuda_fast_math",
+    "data.loader",
+    "model.channels_last",
+    "optim.impl",
 }
 
 
@@ -403,6 +446,7 @@ def save_checkpoint(
     pos: Position,
     accuracy: float | None,
     wait: bool = False,
+    pending_eval: bool = False,
 ) -> None:
     """Rank 0 writes; every rank then learns whether that worked (this is also the barrier).
 
@@ -419,11 +463,6 @@ def save_checkpoint(
 
     def write() -> None:
         model = distributed.unwrap_model(job.model)
-        for name, tensor in model.state_dict().items():
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise FloatingPointError(
-                    f"refusing to checkpoint step {pos.step}: {name} holds NaN or Inf values"
-                )
         state = {
             "model": model.state_dict(),
             "optimizer": job.optimizer.state_dict(),
@@ -434,6 +473,8 @@ def save_checkpoint(
             "samples_in_epoch": pos.samples_in_epoch,
             "step_in_epoch": pos.step_in_epoch,
             "eval_accuracy": accuracy,
+            "pending_eval": pending_eval,
+            "total_steps": job.total_steps,
             "world_size": info.world_size,
             "global_batch_size": global_batch_size(cfg, info.world_size),
             "rng": rng_states,
@@ -452,6 +493,28 @@ def save_checkpoint(
             job.saver.wait()
 
     distributed.run_on_main(info, f"saving the step {pos.step} checkpoint", write)
+
+
+def preempt(
+    cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop, signal_name: str
+) -> None:
+    """Checkpoint where every rank stopped, tell the launcher, and end the run (exit 75).
+
+    At the end of an epoch (or of the run) the statistics are averaged as evaluation would
+    average them, and the checkpoint is marked as owing that evaluation: the resumed run
+    evaluates first, exactly as this one would have.
+    """
+    left = steps_left_in_epoch(cfg, info, job.num_train, pos.samples_in_epoch)
+    at_segment_end = left == 0 or pos.step == job.total_steps
+    if at_segment_end:
+        distributed.average_buffers(job.model)
+    loop.watchdog.beat(pos.step, "checkpointing")
+    save_checkpoint(cfg, info, job, pos, None, wait=True, pending_eval=at_segment_end)
+    marker = os.environ.get("TRAIN_PREEMPT_MARKER")
+    if marker and info.local_rank == 0:  # launch_multinode.sh exits 75 only after this
+        with contextlib.suppress(OSError):
+            Path(marker).write_text(f"checkpoint of step {pos.step} after {signal_name}\n")
+    raise resilience.Preempted(signal_name, pos.step)
 
 
 def finish_saving(info: DistInfo, job: Job) -> None:
@@ -481,6 +544,12 @@ class Loop:
     preemption: resilience.PreemptionHandler
     watchdog: resilience.Watchdog
     started: float  # time.perf_counter() when training started (for time_s in the metrics)
+    clock: PhaseClock
+    stragglers: StragglerReport
+    profiler: StepProfiler
+    allreduce_timer: Any  # distributed.AllReduceTimer under DDP, else None
+    flops_per_sample: float = 0.0  # forward + backward, 0 = not counted
+    peak_flops: float = 0.0  # of one device in the training dtype, 0 = not measured
     bar: Any = None
 
 
@@ -501,6 +570,7 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
     buffers = engine.BufferSnapshot(job.model)
     for i in range(steps):
         loop.watchdog.beat(pos.step, "data loading")
+        loop.profiler.before_step(pos.step)
         faults.fire("step", pos.step, info.rank)
         started = time.perf_counter()
         micro_batches = []
@@ -511,6 +581,7 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
         data_wait = time.perf_counter() - started
         loop.watchdog.beat(pos.step, "forward/backward")
         buffers.take()
+        fwd_bwd_start = loop.clock.mark()
         loss_fn = job.loss_fn
         if faults.poison_loss(pos.step, info.rank):
             loss_fn = _PoisonedLoss(loss_fn)
@@ -523,12 +594,23 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
             job.amp_dtype,
             cfg.optim.grad_clip,
         )
+        fwd_bwd_end = loop.clock.mark()
         verdict = loop.guard.agree(
             stats.loss_sum, stats.grad_norm, loop.preemption.received, pos.step + 1
         )
+        optimizer_start = loop.clock.mark()
         engine.apply_update(job.optimizer, job.scaler, skip=verdict.skip)
         if verdict.skip:
             buffers.restore()
+        loop.clock.add("fwd_bwd", fwd_bwd_start, fwd_bwd_end)
+        loop.clock.add("optimizer", optimizer_start, loop.clock.mark())
+        first_bucket, allreduce_s = (
+            loop.allreduce_timer.take() if loop.allreduce_timer else (None, 0.0)
+        )
+        loop.meter.add_allreduce(allreduce_s)
+        loop.stragglers.add(
+            time.perf_counter() - started, None if first_bucket is None else first_bucket - started
+        )
         job.scheduler.step()
         pos.step += 1
         pos.step_in_epoch += 1
@@ -536,8 +618,12 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
         loop.meter.update(stats, data_wait, skipped=verdict.skip)
         if loop.bar is not None:
             loop.bar.update(1)
+        loop.profiler.after_step(pos.step)
         if pos.step % cfg.log.every_steps == 0 or pos.step == job.total_steps:
             log_train(loop, pos, job.scheduler.get_last_lr()[0])
+        stragglers = loop.stragglers.maybe_report(pos.step)  # a collective every N steps
+        if stragglers is not None:
+            loop.writer.write({"kind": "stragglers", "step": pos.step, **stragglers})
         if verdict.stop is not None:
             return verdict.stop
         # The end of an epoch (or of the run) is saved by the caller, after evaluation.
@@ -549,9 +635,10 @@ def train_epoch(cfg: Config, info: DistInfo, job: Job, pos: Position, loop: Loop
 
 
 def evaluate(
-    info: DistInfo, job: Job, watchdog: resilience.Watchdog, step: int
+    info: DistInfo, job: Job, watchdog: resilience.Watchdog, step: int, average: bool = True
 ) -> engine.EvalResult:
-    distributed.average_buffers(job.model)  # every rank evaluates the same model
+    if average:
+        distributed.average_buffers(job.model)  # every rank evaluates the same model
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels in job.eval_loader:
@@ -562,9 +649,15 @@ def evaluate(
 
 
 def log_train(loop: Loop, pos: Position, lr: float) -> None:
-    figures = loop.meter.reduce()  # a collective: every rank logs at the same steps
+    figures = loop.meter.reduce(loop.clock.take())  # a collective: every rank logs together
+    if loop.flops_per_sample:
+        per_rank = loop.flops_per_sample * figures["samples_per_s"] / loop.meter.world_size
+        figures["tflops_per_rank"] = per_rank / 1e12
+        if loop.peak_flops:
+            figures["mfu"] = per_rank / loop.peak_flops
     log.info(
-        "step %d epoch %d loss %.4f acc %.4f lr %.4g %.0f samples/s data-wait %.1f%%%s",
+        "step %d epoch %d loss %.4f acc %.4f lr %.4g %.0f samples/s data-wait %.1f%% "
+        "step %.1f ms (fwd+bwd %.1f, optimizer %.1f, all-reduce %.1f)%s",
         pos.step,
         pos.epoch,
         figures["loss"],
@@ -572,6 +665,10 @@ def log_train(loop: Loop, pos: Position, lr: float) -> None:
         lr,
         figures["samples_per_s"],
         100 * figures["data_wait_frac"],
+        figures["step_ms"],
+        figures["fwd_bwd_ms"],
+        figures["optimizer_ms"],
+        figures["allreduce_ms"],
         f" skipped {loop.guard.skipped_total}" if loop.guard.skipped_total else "",
     )
     loop.writer.write(
@@ -615,6 +712,53 @@ def log_eval(job: Job, loop: Loop, result: engine.EvalResult, pos: Position) -> 
             "sample_digest_per_rank": [resilience.digest(part) for part in per_rank],
         }
     )
+
+
+def make_loop(
+    cfg: Config,
+    info: DistInfo,
+    job: Job,
+    writer: MetricsWriter,
+    preemption: resilience.PreemptionHandler,
+    stall_timeout_s: float | None = None,
+) -> Loop:
+    """The loop's helpers: meter, step guard, watchdog, clocks, reports (and FLOP counts)."""
+    model = job.model
+    loop = Loop(
+        meter=TrainMeter(info.device, info.world_size),
+        writer=writer,
+        guard=resilience.StepGuard(
+            info, cfg.train.max_nonfinite_steps, check_grad=not job.scaler.is_enabled()
+        ),
+        preemption=preemption,
+        watchdog=resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s),
+        started=time.perf_counter(),
+        clock=PhaseClock(info.device),
+        stragglers=StragglerReport(
+            info, cfg.log.straggler_every_steps if info.world_size > 1 else 0
+        ),
+        profiler=StepProfiler(cfg.log.profile_steps, Path(cfg.run.dir), info.rank, info.device),
+        allreduce_timer=getattr(getattr(model, "_orig_mod", model), "allreduce_timer", None),
+    )
+    if cfg.log.mfu:
+        count_flops(job, loop, info)
+    return loop
+
+
+def count_flops(job: Job, loop: Loop, info: DistInfo) -> None:
+    """FLOPs per training sample, and (rank 0) the device's peak FLOP/s, for MFU in the logs."""
+    images, labels = next(iter(job.eval_loader))
+    sample, _ = job.preprocess(images[:2], labels[:2])
+    loop.flops_per_sample = flops_per_sample(job.model, sample, job.loss_fn)
+    if info.is_main:
+        loop.peak_flops = peak_flops(info.device, job.amp_dtype or torch.float32)
+        log.info(
+            "model: %.3g GFLOP per training sample (forward + backward); peak %.3g TFLOP/s "
+            "(%s matmul)",
+            loop.flops_per_sample / 1e9,
+            loop.peak_flops / 1e12,
+            job.amp_dtype or torch.float32,
+        )
 
 
 def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
@@ -662,27 +806,20 @@ def _train(
     )
     writer = MetricsWriter(run_dir, info.is_main, cfg.log.tensorboard)
     distributed.run_on_main(info, "opening metrics.jsonl and tensorboard", writer.open)
-    loop = Loop(
-        meter=TrainMeter(info.device, info.world_size),
-        writer=writer,
-        guard=resilience.StepGuard(
-            info, cfg.train.max_nonfinite_steps, check_grad=not job.scaler.is_enabled()
-        ),
-        preemption=preemption,
-        watchdog=resilience.Watchdog(info, cfg.dist.timeout_s),
-        started=time.perf_counter(),
-    )
+    loop = make_loop(cfg, info, job, writer, preemption)
     result: engine.EvalResult | None = None
     loop.watchdog.start()
     try:
         with progress_bar(cfg, info, job.total_steps, pos.step) as loop.bar:
-            while pos.step < job.total_steps:
-                stop = train_epoch(cfg, info, job, pos, loop)
-                if stop is not None:
-                    loop.watchdog.beat(pos.step, "checkpointing")
-                    save_checkpoint(cfg, info, job, pos, None, wait=True)
-                    raise resilience.Preempted(stop, pos.step)
-                result = evaluate(info, job, loop.watchdog, pos.step)
+            pending_eval = job.pending_eval
+            while pos.step < job.total_steps or pending_eval:
+                average = not pending_eval  # a pending evaluation's statistics are averaged
+                if not pending_eval:
+                    stop = train_epoch(cfg, info, job, pos, loop)
+                    if stop is not None:
+                        preempt(cfg, info, job, pos, loop, stop)
+                pending_eval = False
+                result = evaluate(info, job, loop.watchdog, pos.step, average)
                 log_eval(job, loop, result, pos)
                 left = steps_left_in_epoch(cfg, info, job.num_train, pos.samples_in_epoch)
                 if left == 0:
@@ -699,6 +836,10 @@ def _train(
             )
         raise
     finally:
+        if job.saver is not None:  # a write in flight finishes (its error was or is reported)
+            with contextlib.suppress(Exception):
+                job.saver.wait()
+        loop.profiler.stop()
         loop.watchdog.stop()
         writer.close()
     if result is None:
@@ -734,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
             resilience.EXIT_PREEMPTED,
         )
         return resilience.EXIT_PREEMPTED
-    except resilience.DivergedError as err:
+    except (resilience.DivergedError, FloatingPointError) as err:
         log.error("%s", err)
         return resilience.EXIT_DIVERGED
     except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError, OSError) as err:

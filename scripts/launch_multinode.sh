@@ -92,8 +92,16 @@ echo "launch_multinode.sh: node $NODE_RANK of $NNODES: ${cmd[*]}"
 # Preemption: SIGTERM, SIGUSR2 (Slurm's --signal) or SIGINT to this script reaches torchrun as
 # SIGTERM, which torchrun forwards to its workers; they checkpoint at the next step boundary
 # and exit (torchrun allows them 30 s). This script then exits 75, the documented "preempted,
-# resubmit" code. torchrun runs in the background because bash runs a trap only between
+# resubmit" code, if the workers reported that checkpoint. torchrun runs in the background because bash runs a trap only between
 # commands, and `wait` is interruptible.
+# A fresh rendezvous store per restart round: torchrun otherwise keeps one store for all
+# restarts, where a restarted process group can find the dead workers' addresses.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# Rank 0 of each node writes this file after the preemption checkpoint (train.py): exit 75
+# only then.
+TRAIN_PREEMPT_MARKER=$(mktemp "${TMPDIR:-/tmp}/train-preempted.XXXXXX")
+export TRAIN_PREEMPT_MARKER
+trap 'rm -f "$TRAIN_PREEMPT_MARKER"' EXIT
 signalled=""
 forward() {
   signalled=$1
@@ -103,15 +111,24 @@ forward() {
 trap 'forward SIGTERM' TERM
 trap 'forward SIGUSR2' USR2
 trap 'forward SIGINT' INT
-"${cmd[@]}" &
+# torchrun ignores SIGUSR2: Slurm signals every process of the job step, and torchrun
+# (which handles only TERM, INT, HUP and QUIT) would die of it and orphan its workers. The
+# workers install their own handler; this script turns the signal into a SIGTERM for torchrun.
+( trap '' USR2; exec "${cmd[@]}" ) &
 torchrun_pid=$!
 status=0
 while :; do
   wait "$torchrun_pid" && status=0 || status=$?
   kill -0 "$torchrun_pid" 2>/dev/null || break  # else a trap interrupted wait: wait again
 done
-if [[ -n "$signalled" ]]; then
-  echo "launch_multinode.sh: stopped by $signalled (torchrun exit $status): exit 75" >&2
+if [[ -n "$signalled" && -s "$TRAIN_PREEMPT_MARKER" ]]; then
+  echo "launch_multinode.sh: $signalled: the workers checkpointed ($(cat "$TRAIN_PREEMPT_MARKER"));" \
+    "torchrun exit $status: exit 75" >&2
   exit 75
+fi
+if [[ -n "$signalled" ]]; then
+  echo "launch_multinode.sh: $signalled, but no preemption checkpoint was reported" \
+    "(torchrun exit $status)" >&2
+  (( status != 0 )) || status=1
 fi
 exit "$status"

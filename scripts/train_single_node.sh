@@ -8,4 +8,6 @@ PYTHON=${PYTHON:-.venv/bin/python}
 cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="${NPROC_PER_NODE:-auto}"
   train.py "$@")
 echo "train_single_node.sh: ${cmd[*]}"
+# A fresh rendezvous store per restart (see launch_multinode.sh).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec "${cmd[@]}"

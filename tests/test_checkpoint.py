@@ -323,3 +323,21 @@ def test_async_save_failure_is_raised_by_the_next_call(tmp_path) -> None:
     with pytest.raises(OSError):
         saver.wait()
     saver.wait()  # reported once
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_model_is_never_checkpointed(tmp_path, bad) -> None:
+    objs = training_objects()
+    state = state_of(objs, 4)
+    state["model"]["head.bias"] = state["model"]["head.bias"].clone()
+    state["model"]["head.bias"][3] = bad
+    with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
+        checkpoint.save(state, tmp_path, step=4, keep=2, accuracy=None)
+    saver = checkpoint.AsyncSaver()
+    saver.save(state, tmp_path, step=4, keep=2, accuracy=None)  # checked in the background
+    with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
+        saver.wait()
+    assert not list(tmp_path.iterdir())
+    huge = state_of(objs, 5)
+    huge["model"]["head.bias"] = torch.full((10,), 3e38)  # finite, but its norm overflows
+    checkpoint.save(huge, tmp_path, step=5, keep=2, accuracy=None)

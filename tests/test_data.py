@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import needs_fashion_mnist
 from PIL import Image
+from torch.utils.data import Subset
 from torchvision import datasets
 
 import data
@@ -147,7 +148,7 @@ def test_loader_with_workers_matches_loader_without(tmp_path) -> None:
     batches = []
     for workers in (0, 2):
         loader = data.build_train_loader(
-            splits, DataConfig(batch_size=16, num_workers=workers), info(), 0
+            splits, DataConfig(batch_size=16, num_workers=workers, loader="dataloader"), info(), 0
         )
         data.set_epoch(loader, 1)
         batches.append([b[0] for b in loader])
@@ -270,3 +271,32 @@ def test_preprocess_normalises_on_device() -> None:
     )
     torch.testing.assert_close(images, torch.tensor([[[[-2.0, 2.0]]]]))
     assert labels.tolist() == [3]
+
+
+@pytest.mark.parametrize(("augment", "padding"), [(True, 2), (True, 0), (False, 2)])
+def test_device_path_yields_the_dataloader_batches_bit_for_bit(augment, padding) -> None:
+    """The batched on-device gather, crop and flip against the per-sample DataLoader path:
+    every batch of a resumed epoch on rank 1 of 2, from a data.subset (a Subset)."""
+    base = data.make_synthetic(600, (3, 12, 12), 10, seed=0)
+    train_set = Subset(base, list(range(0, 600, 2)))
+    splits = data.DataSplits(train_set, base, 3, 10, (0.5,) * 3, (0.25,) * 3)
+    batches = {}
+    for loader_kind in ("dataloader", "device"):
+        cfg = DataConfig(
+            batch_size=16, num_workers=0, loader=loader_kind, augment=augment, crop_padding=padding
+        )
+        loader = data.build_train_loader(splits, cfg, info(1, 2), seed=11)
+        assert isinstance(loader, data.DeviceLoader) == (loader_kind == "device")
+        data.set_epoch(loader, 4, consumed=64)
+        batches[loader_kind] = list(loader)
+    assert len(batches["device"]) == len(batches["dataloader"]) == (300 - 64) // 2 // 16
+    for ours, reference in zip(batches["device"], batches["dataloader"], strict=True):
+        for a, b in zip(ours, reference, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_device_path_needs_an_in_memory_dataset(tmp_path) -> None:
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.loader=device needs an in-memory dataset"):
+        data._use_device_path(DataConfig(loader="device", dataset="imagefolder"), None, CPU)

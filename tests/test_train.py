@@ -122,3 +122,26 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path) -> None:
     checkpoint.save({"model": {}, "step": 25}, tmp_path, 25, keep=1, accuracy=0.5)
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [25, 30]
     assert checkpoint.read_best(tmp_path) == {"step": 25, "accuracy": 0.5}
+
+
+def test_rng_states_round_trip_through_a_checkpoint(tmp_path) -> None:
+    """Every generator a rank draws from continues where it stood (weights_only loading)."""
+    import random
+
+    import numpy as np
+
+    import resilience
+
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.random(), np.random.rand(), torch.rand(1)  # advance them somewhere
+    state = resilience.rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    path = tmp_path / "rng.pt"
+    torch.save({"rng": [state]}, path)
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    resilience.set_rng_state(torch.load(path, weights_only=True)["rng"][0])
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert again[0] == expected[0] and again[1] == expected[1]
+    assert torch.equal(again[2], expected[2])

@@ -199,3 +199,27 @@ def test_master_addr_that_is_not_node_zero_is_explained(tmp_path) -> None:
     assert (
         "MASTER_ADDR=10.77.0.2" in result.stdout and "not an address of this host" in result.stdout
     )
+
+
+def test_sigkill_on_one_node_restarts_both_and_matches_a_clean_run(tmp_path) -> None:
+    """A worker on node 1 is SIGKILLed at step 4; both nodes' torchrun restart the group (a
+    fresh rendezvous store per round, set by launch_multinode.sh), it resumes from step 2's
+    checkpoint and ends torch.equal to a run that was never interrupted."""
+    job = [*JOB, "--ckpt.every_steps=2"]
+    with netns_cluster(2) as cluster:
+        clean = cluster.launch([0, 1], nproc=1, args=[f"--run.dir={tmp_path / 'a'}", *job])
+        killed = cluster.launch(
+            [0, 1],
+            nproc=1,
+            args=[f"--run.dir={tmp_path / 'b'}", *job],
+            port=29401,
+            MAX_RESTARTS="1",
+            TRAIN_FAULTS="sigkill@step=3,rank=1",
+        )
+    assert [r.returncode for r in clean] == [0, 0]
+    assert [r.returncode for r in killed] == [0, 0], killed[0].stdout[-3000:]
+    assert "exitcode: -9" in killed[1].stdout  # node 1's worker really died
+    assert "resuming from" in killed[0].stdout
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    for key, value in a["model"].items():
+        assert torch.equal(b["model"][key], value), key

@@ -1,0 +1,132 @@
+"""scripts/benchmark.py: its bare loop does the pipeline's math, and a quick run reports every
+figure it promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+from helpers import REPO
+
+import data
+import distributed
+from config import parse_args
+from distributed import DistInfo
+
+CPU = torch.device("cpu")
+
+
+def load_benchmark() -> ModuleType:
+    """scripts/ is no package: import the script by path."""
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmark"] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark = load_benchmark()
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_bare_loop_ends_with_the_pipelines_parameters(tmp_path, accum: int) -> None:
+    """Same init, same batches, same steps: bit-identical weights and BatchNorm statistics.
+
+    This is what makes overhead_ratio compare the same work: a bare loop that left out weight
+    decay, clipping, label smoothing, the accumulation scaling or the normalisation would end
+    elsewhere.
+    """
+    cfg = parse_args(
+        [
+            "--data.dataset=synthetic",
+            "--data.synthetic_train_size=512",
+            "--data.batch_size=32",
+            f"--train.grad_accum_steps={accum}",
+            "--model.widths=8,16",
+            "--optim.warmup_steps=3",
+            "--optim.grad_clip=0.05",  # small enough that it clips: clipping is compared too
+            "--log.every_steps=2",
+            "--log.tensorboard=false",
+        ]
+    )
+    info = DistInfo(0, 0, 1, CPU)
+    splits = data.build_datasets(cfg.data, cfg.train.seed, info)
+    plan = benchmark.QUICK
+    rig = benchmark.build_rig(cfg, info, plan, (splits.mean, splits.std), tmp_path)
+    initial = {k: v.clone() for k, v in rig.bare.model.state_dict().items()}
+    try:
+        for num_steps in (5, 2):  # each call restarts the replayed batches, in both loops
+            rig.pipeline.run(num_steps)
+            benchmark.bare_steps(rig.bare, num_steps)
+    finally:
+        rig.close()
+    pipeline = distributed.unwrap_model(rig.pipeline.job.model).state_dict()
+    bare = rig.bare.model.state_dict()
+    assert pipeline.keys() == bare.keys()
+    assert not torch.equal(bare["head.weight"], initial["head.weight"])  # it did train
+    different = [key for key in bare if not torch.equal(pipeline[key], bare[key])]
+    assert not different, f"bare loop and pipeline differ in {different}"
+
+
+def test_time_to_accuracy_takes_the_first_evaluation_at_each_target(tmp_path) -> None:
+    rows = [
+        {"kind": "train", "step": 50, "time_s": 5.0},
+        {"kind": "eval", "step": 100, "epoch": 0, "accuracy": 0.85, "time_s": 11.0},
+        {"kind": "eval", "step": 200, "epoch": 1, "accuracy": 0.905, "time_s": 22.0},
+        {"kind": "eval", "step": 300, "epoch": 2, "accuracy": 0.901, "time_s": 33.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    found = benchmark.time_to_accuracy(tmp_path)
+    assert found["90%"] == {"step": 200, "epoch": 1, "accuracy": 0.905, "time_s": 22.0}
+    assert found["92%"] is None
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_figure(tmp_path) -> None:
+    out = tmp_path / "benchmark.json"
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    eval_row = {"kind": "eval", "step": 9, "epoch": 0, "accuracy": 0.93, "time_s": 4.0}
+    (finished / "metrics.jsonl").write_text(json.dumps(eval_row) + "\n")
+    command = [
+        sys.executable,
+        "scripts/benchmark.py",
+        "--quick",
+        "--out",
+        str(out),
+        "--time-to-accuracy",
+        str(finished),
+        "--data.dataset=synthetic",
+        f"--run.dir={tmp_path / 'run'}",
+    ]
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    for key in benchmark.TARGETS:
+        value = report[key]
+        assert key in result.stdout
+        if value is None:
+            assert key in report["unavailable"], f"{key} is null without a reason"
+        elif key == "async_checkpoint_stall_ratio":
+            assert math.isfinite(value) and value >= 0  # 0: no stall above the noise
+        else:
+            assert math.isfinite(value) and value > 0, f"{key} = {value}"
+    assert report["time_to_accuracy"]["90%"]["time_s"] == 4.0
+    assert report["environment"]["torch_threads"] == 1
+    leftovers = sorted(path.name for path in tmp_path.iterdir())
+    assert leftovers == sorted([out.name, finished.name])  # the scratch directory is gone
