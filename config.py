@@ -211,8 +211,8 @@ class ModelConfig:
     channels_last: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata=doc(
-            "store weights and activations in channels_last memory format; auto = on CUDA "
-            "(tensor cores read NHWC), off on CPU"
+            "store weights and activations in channels_last memory format; auto = on for CUDA "
+            "(tensor cores read NHWC) and CPU (oneDNN's convolutions do too)"
         ),
     )
 

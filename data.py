@@ -464,23 +464,30 @@ def mix64_many(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
 def augment_batch(images: torch.Tensor, hashes: np.ndarray, padding: int) -> torch.Tensor:
     """`Augmented`'s crop and flip for a whole batch at once, on the images' device.
 
-    Bit-identical to the per-sample path: the same hash bits pick the same offsets and flips.
+    One gather does both: output pixel (y, x) of a sample reads padded pixel
+    (top + y, left + x), or (top + y, left + W - 1 - x) when the sample is flipped. The same
+    hash bits pick the same offsets and flips as the per-sample path: bit-identical results.
     """
     device = images.device
-    n, _, height, width = images.shape
-    out = images
-    if padding:
-        span = np.uint64(2 * padding + 1)
-        top = torch.from_numpy((hashes % span).astype(np.int64)).to(device, non_blocking=True)
-        left = torch.from_numpy(((hashes >> np.uint64(16)) % span).astype(np.int64))
-        left = left.to(device, non_blocking=True)
-        padded = torch.nn.functional.pad(images, [padding] * 4).permute(0, 2, 3, 1)
-        rows = (top[:, None] + torch.arange(height, device=device))[:, :, None]
-        cols = (left[:, None] + torch.arange(width, device=device))[:, None, :]
-        out = padded[torch.arange(n, device=device)[:, None, None], rows, cols].permute(0, 3, 1, 2)
+    n, channels, height, width = images.shape
+    span = np.uint64(2 * padding + 1)
+    top = torch.from_numpy((hashes % span).astype(np.int64)).to(device, non_blocking=True)
+    left = torch.from_numpy(((hashes >> np.uint64(16)) % span).astype(np.int64))
     flip = torch.from_numpy(((hashes >> np.uint64(32)) & np.uint64(1)).astype(bool))
-    flip = flip.to(device, non_blocking=True)[:, None, None, None]
-    return torch.where(flip, out.flip(-1), out).contiguous()
+    left, flip = left.to(device, non_blocking=True), flip.to(device, non_blocking=True)
+    padded = torch.nn.functional.pad(images, [padding] * 4) if padding else images
+    padded_width = width + 2 * padding
+    ys = torch.arange(height, device=device)
+    xs = torch.arange(width, device=device)
+    xs = torch.where(flip[:, None], width - 1 - xs, xs)  # (n, W)
+    flat = (
+        (top[:, None, None] + ys[None, :, None]) * padded_width
+        + left[:, None, None]
+        + xs[:, None, :]
+    )
+    index = flat.view(n, 1, height * width).expand(n, channels, height * width)
+    out = padded.reshape(n, channels, -1).gather(2, index)
+    return out.view(n, channels, height, width)
 
 
 class DeviceLoader:
