@@ -543,6 +543,14 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def __post_init__(self) -> None:
+        if self.dist.static_graph and self.train.grad_accum_steps > 1:
+            raise ConfigError(
+                f"dist.static_graph=true cannot be combined with train.grad_accum_steps="
+                f"{self.train.grad_accum_steps}: DDP's static graph does not support the no_sync "
+                "micro-steps of gradient accumulation (it fails inside backward)"
+            )
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 

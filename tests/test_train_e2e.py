@@ -251,3 +251,35 @@ def test_fresh_run_in_a_used_run_dir_is_refused_and_changes_no_file(tmp_path) ->
         "already holds checkpoints of steps [2]" in proc.stderr and "new --run.dir" in proc.stderr
     )
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_speed_figures_stragglers_and_profiler_trace(tmp_path) -> None:
+    """2 ranks: every train row carries the step breakdown, all-reduce time and MFU; a
+    straggler row names a rank; --log.profile_steps writes a trace TensorBoard can open."""
+    run_dir = tmp_path / "run"
+    proc = run(
+        torchrun(
+            2,
+            f"--run.dir={run_dir}",
+            "--data.dataset=synthetic",
+            "--data.synthetic_train_size=512",
+            "--data.batch_size=32",
+            "--train.max_steps=6",
+            "--log.every_steps=2",
+            "--log.straggler_every_steps=3",
+            "--log.profile_steps=2,4",
+            *SMALL,
+        )
+    )
+    assert proc.returncode == 0
+    for row in rows(run_dir, "train"):
+        parts = row["data_ms"] + row["fwd_bwd_ms"] + row["optimizer_ms"]
+        assert 0 < parts <= row["step_ms"] * 1.01
+        assert row["allreduce_ms"] > 0 and row["mfu"] > 0 and row["tflops_per_rank"] > 0
+    stragglers = rows(run_dir, "stragglers")
+    assert [r["step"] for r in stragglers] == [3, 6]
+    assert all(r["slowest_rank"] in (0, 1) and r["arrival_ms_max"] > 0 for r in stragglers)
+    assert "stragglers at step 3" in proc.stderr
+    traces = list((run_dir / "tensorboard" / "profile").glob("rank*.pt.trace.json"))
+    assert sorted(t.name.split(".")[0] for t in traces) == ["rank0", "rank1"]
