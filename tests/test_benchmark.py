@@ -105,6 +105,8 @@ def test_quick_run_reports_every_figure(tmp_path) -> None:
         "--time-to-accuracy",
         str(finished),
         "--data.dataset=synthetic",
+        "--model.widths=4,8,8",  # a small model: this checks the plumbing, not the speed
+        "--data.batch_size=32",
         f"--run.dir={tmp_path / 'run'}",
     ]
     result = subprocess.run(
