@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -58,3 +59,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     for rank in range(world_size):
         os.unlink(f"{out}.{rank}")
     return results
+
+
+def free_port() -> int:
+    """A port p with p + 1 free too (launch_multinode.sh's rendezvous check uses p + 1)."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports found")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -109,26 +109,25 @@ def samples_per_epoch(world: int) -> int:
     return (N_TRAIN // world) // BATCH // ACCUM * BATCH * ACCUM * world
 
 
-@pytest.fixture(scope="module")
-def reference_1(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("ref1")
-    proc = launch(run_dir, 1)
+def uninterrupted_run(tmp_path_factory, nproc: int) -> Path:
+    """The reference: a run never stopped, whose epochs each saw the expected samples."""
+    run_dir = tmp_path_factory.mktemp(f"reference{nproc}")
+    proc = launch(run_dir, nproc)
     assert proc.returncode == 0, proc.output[-3000:]
     assert epoch_digests(run_dir) == {
-        e: expected_digest(e, samples_per_epoch(1)) for e in range(EPOCHS)
+        e: expected_digest(e, samples_per_epoch(nproc)) for e in range(EPOCHS)
     }
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference_1(tmp_path_factory) -> Path:
+    return uninterrupted_run(tmp_path_factory, 1)
 
 
 @pytest.fixture(scope="module")
 def reference_2(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("ref2")
-    proc = launch(run_dir, 2)
-    assert proc.returncode == 0, proc.output[-3000:]
-    assert epoch_digests(run_dir) == {
-        e: expected_digest(e, samples_per_epoch(2)) for e in range(EPOCHS)
-    }
-    return run_dir
+    return uninterrupted_run(tmp_path_factory, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +217,7 @@ def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path,
         sig = signal.SIGTERM
     else:  # as Slurm does: the signal goes to every process of the launcher's group
         cmd = ["bash", "scripts/launch_multinode.sh"]
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port_pair()), NNODES="1")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="1")
         env.update(NODE_RANK="0", NPROC_PER_NODE="2", MAX_RESTARTS="0")
         sig = signal.SIGUSR2
     args = [f"--run.dir={run_dir}", *COMMON]
@@ -252,19 +251,6 @@ def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path,
         resumed = launch(run_dir, 2, "--train.epochs=40", f"--train.max_steps={stopped + 1}")
         assert resumed.returncode == 0, resumed.output[-3000:]
         assert f"at step {stopped} " in resumed.output
-
-
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import needs_fashion_mnist
-from helpers import REPO
+from helpers import REPO, free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SMALL = [
@@ -38,22 +37,6 @@ def run(cmd: list[str], timeout: float = 240, **env: str) -> subprocess.Complete
 def rows(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def free_port() -> int:
-    """A port p with p + 1 free too (launch_multinode.sh's rendezvous check uses p + 1)."""
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports found")
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
