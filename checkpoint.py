@@ -47,6 +47,11 @@ def manifest_path(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".pt") + ".manifest.json")
 
 
+def next_manifest_path(path: Path) -> Path:
+    """The manifest of a replacement of `path` while it is being renamed into place."""
+    return path.with_name(path.name.removesuffix(".pt") + ".manifest.next.json")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -131,6 +136,19 @@ def _remove_stale_temporaries(directory: Path) -> None:
     here, and never two saves at once, so no temporary file belongs to a live save)."""
     for path in directory.glob(".*.tmp"):
         path.unlink(missing_ok=True)
+    # A re-save killed between its rename and its manifest: the second manifest becomes the
+    # manifest if it vouches for the bytes in place, else it vouches for nothing.
+    for pending in directory.glob("step_*.manifest.next.json"):
+        path = pending.with_name(pending.name.removesuffix(".manifest.next.json") + ".pt")
+        try:
+            size, crc = _read_manifest(pending)
+            settled = path.is_file() and (path.stat().st_size, file_crc32(path)) == (size, crc)
+        except (OSError, CheckpointError):
+            settled = False
+        if settled:
+            os.replace(pending, manifest_path(path))
+        else:
+            pending.unlink(missing_ok=True)
 
 
 def save(
@@ -147,7 +165,6 @@ def save(
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(directory)
     path = directory / f"step_{step}.pt"
-    manifest_path(path).unlink(missing_ok=True)  # a step_<step> being replaced is not valid
     hashed: list[_HashingWriter] = []
 
     def write(f: BinaryIO) -> None:
@@ -157,23 +174,46 @@ def save(
         f.flush()
         faults.fire("save", "written", 0)
 
-    # The manifest's write below fsyncs the directory for both renames. Until then a crash may
-    # lose the new name: loading skips a manifest without its file, and the older ones remain.
-    atomic_write_bytes(path, write, sync_dir=False)
-    faults.fire("save", "renamed", 0)
-    # Verified before the manifest vouches for it: complete (the size on disk is what was
+    # Re-saving a step (a resumed run saves again the step it was preempted at) must not
+    # invalidate the good checkpoint of that step before its replacement is durable: the new
+    # bytes go to a temporary file first, a second manifest vouches for them before they are
+    # renamed over the old ones, and only then does the manifest proper change. At every
+    # point the file under the final name matches one of the two manifests.
+    replacing = path.exists() or manifest_path(path).exists()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # e.g. a full disk: say which checkpoint
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    # Verified before any manifest vouches for it: complete (the size on disk is what was
     # written, after fsync) and checksummed from the very bytes torch.save produced. Reading it
     # back now would only read the page cache, not the disk, at the cost of a second pass.
     expected = f"{hashed[0].crc32:08x}"
-    if path.stat().st_size != hashed[0].bytes:
-        path.unlink(missing_ok=True)
+    if tmp.stat().st_size != hashed[0].bytes:
+        size = tmp.stat().st_size
+        tmp.unlink(missing_ok=True)
         raise CheckpointError(
-            f"checkpoint {path} is {path.stat().st_size} bytes on disk, {hashed[0].bytes} "
-            "were written: the storage lost part of the write"
+            f"checkpoint {path} is {size} bytes on disk, {hashed[0].bytes} were written: the "
+            "storage lost part of the write"
         )
     manifest = {"file": path.name, "bytes": hashed[0].bytes, "crc32": expected, "step": step}
     payload = (json.dumps(manifest) + "\n").encode()
+    if replacing:
+        atomic_write_bytes(next_manifest_path(path), lambda f: f.write(payload))
+    # The manifest's write below fsyncs the directory for this rename too. Until then a crash
+    # may lose the new name: loading skips a manifest without its file, and the older ones
+    # remain.
+    os.replace(tmp, path)
+    faults.fire("save", "renamed", 0)
     atomic_write_bytes(manifest_path(path), lambda f: f.write(payload))
+    next_manifest_path(path).unlink(missing_ok=True)
     faults.fire("save", "manifest", 0)
     best = read_best(directory)
     if best is not None and best["step"] > step:  # left by an abandoned later run: stale
@@ -214,8 +254,9 @@ def _prune(directory: Path, keep: int, saved_step: int, best_step: int | None) -
         if step not in (best_step, saved_step):
             path.unlink(missing_ok=True)
             manifest_path(path).unlink(missing_ok=True)
-    for orphan in directory.glob("step_*.manifest.json"):
-        if not orphan.with_name(orphan.name.removesuffix(".manifest.json") + ".pt").exists():
+    for orphan in directory.glob("step_*.manifest*.json"):
+        stem = orphan.name.removesuffix(".json").removesuffix(".next").removesuffix(".manifest")
+        if not orphan.with_name(stem + ".pt").exists():
             orphan.unlink(missing_ok=True)
 
 
@@ -238,33 +279,49 @@ def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) 
         )
 
 
+def _read_manifest(manifest_file: Path) -> tuple[int, str]:
+    """(bytes, crc32) a manifest vouches for; FileNotFoundError when there is none."""
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        return int(manifest["bytes"]), str(manifest["crc32"])
+    except FileNotFoundError:
+        raise
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise CheckpointError(f"checkpoint manifest {manifest_file} is unreadable: {err}") from None
+
+
 def verify(path: Path) -> None:
-    """Check `path` against its manifest: present, complete, same bytes as were written."""
+    """Check `path` against its manifest: present, complete, same bytes as were written.
+
+    While a re-save of the same step is renamed into place, a second manifest
+    (`step_<N>.manifest.next.json`) vouches for the new bytes: either version is accepted.
+    """
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     size = path.stat().st_size
     if size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
     manifest_file = manifest_path(path)
-    try:
-        manifest = json.loads(manifest_file.read_text())
-        expected_bytes, expected_crc = int(manifest["bytes"]), str(manifest["crc32"])
-    except FileNotFoundError:
+    vouched = []
+    for candidate in (manifest_file, next_manifest_path(path)):
+        try:
+            vouched.append(_read_manifest(candidate))
+        except FileNotFoundError:
+            pass
+    if not vouched:
         raise CheckpointError(
             f"checkpoint {path} has no manifest {manifest_file.name}: its save did not finish"
-        ) from None
-    except (ValueError, KeyError, TypeError, OSError) as err:
-        raise CheckpointError(f"checkpoint manifest {manifest_file} is unreadable: {err}") from None
-    if size != expected_bytes:
+        )
+    if all(size != expected_bytes for expected_bytes, _ in vouched):
         raise CheckpointError(
-            f"checkpoint {path} is {size} bytes but its manifest says {expected_bytes}: truncated "
-            "or overwritten"
+            f"checkpoint {path} is {size} bytes but its manifest says {vouched[0][0]}: "
+            "truncated or overwritten"
         )
     actual = file_crc32(path)
-    if actual != expected_crc:
+    if all((size, actual) != manifest for manifest in vouched):
         raise CheckpointError(
             f"checkpoint {path} fails its checksum (crc32 {actual}, manifest says "
-            f"{expected_crc}): the file is corrupted"
+            f"{vouched[0][1]}): the file is corrupted"
         )
 
 
@@ -319,8 +376,9 @@ def load_for_resume(
     if errors:
         raise CheckpointError(
             f"no usable checkpoint in {directory} ({len(errors)} found, none "
-            f"loads): {'; '.join(errors)}. Move them away or pass "
-            "--ckpt.resume=never to start from scratch"
+            f"loads): {'; '.join(errors)}. Move {directory} away to start from scratch, or "
+            "start from an earlier checkpoint in a new run dir: "
+            "--ckpt.resume=PATH --run.dir=NEW_DIR"
         )
     return None
 

@@ -46,10 +46,25 @@ class RunConfig:
     )
 
     preempt_signals: tuple[str, ...] = field(
-        default=("SIGTERM", "SIGUSR2"),
+        default=("SIGTERM", "SIGUSR2", "SIGINT"),
         metadata=doc(
             "signals that make every rank checkpoint at the next step boundary and exit with "
-            "code 75 (torchrun forwards SIGTERM to its workers)"
+            "code 75, however often and to whichever processes they are sent (torchrun "
+            "forwards SIGTERM to its workers; SIGINT is Ctrl-C)"
+        ),
+    )
+    lease_timeout_s: float = field(
+        default=120.0,
+        metadata=doc(
+            "one job per run.dir: a lease held by a job whose heartbeat is older than this "
+            "(its holder died) is taken over; a live holder's is refused"
+        ),
+    )
+    max_attempts_without_progress: int = field(
+        default=3,
+        metadata=doc(
+            "attempts (torchrun restarts, requeues) that may start from the same checkpoint "
+            "before the run exits 76, 'no progress: do not restart'; 0 = never"
         ),
     )
 
@@ -62,6 +77,18 @@ class RunConfig:
                 name,
                 "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught)",
             )
+        _require(
+            math.isfinite(self.lease_timeout_s) and self.lease_timeout_s >= 5,
+            "run.lease_timeout_s",
+            self.lease_timeout_s,
+            "give at least 5 seconds (the heartbeat comes every quarter of it)",
+        )
+        _require(
+            self.max_attempts_without_progress >= 0,
+            "run.max_attempts_without_progress",
+            self.max_attempts_without_progress,
+            "give 0 (off) or a positive count",
+        )
 
 
 @dataclass(frozen=True)

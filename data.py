@@ -413,15 +413,20 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+# Signals a scheduler sends to every process of a job to stop it (Slurm's step signals and
+# time limit, scancel, the kubelet, systemd) or a terminal sends to its process group.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def _init_worker(worker_id: int) -> None:
-    # torchrun stops a worker by signalling its whole process group, and the DataLoader turns
-    # a loader worker's death into an exception in the training process at once, before that
-    # process can checkpoint at the next step boundary. A process group of its own keeps this
-    # worker out of such signals (and of the terminal's Ctrl-C); the training process still
-    # stops it directly (SIGTERM) and it exits by itself if that process dies. The signals a
-    # scheduler may send to every process for preemption are ignored here.
+    # A loader worker that dies of a stop signal makes the DataLoader raise in the training
+    # process at once ("worker ... killed by signal"), before that process can checkpoint at
+    # the next step boundary. So loader workers ignore every stop signal, however they come:
+    # to their process group (torchrun, a terminal's Ctrl-C: hence a group of their own) or
+    # to each process (slurmstepd, the kubelet). They end when the DataLoader shuts them down,
+    # or within seconds of the training process's death (the DataLoader's watchdog).
     os.setpgid(0, 0)
-    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # torch seeds each worker with base_seed + worker_id; give Python and NumPy (used by
     # user-added transforms) seeds derived from it as well.

@@ -64,21 +64,32 @@ class PreemptionHandler:
     The handler only sets a flag (a signal can land in the middle of a collective, where
     nothing else is safe to do). The flag travels in the per-step all-reduce of `StepGuard`,
     so every rank stops after the same step even when only one received the signal.
+
+    Schedulers signal every process of a job, often more than once and with mixed signals:
+    Slurm's SIGUSR2 reaches a worker directly and, milliseconds later, the SIGTERM torchrun
+    forwards; a Kubernetes or systemd stop repeats SIGTERM. Every one of them after the first
+    is the same request and is only logged; what ends a run that will not stop is the
+    scheduler's SIGKILL (Slurm's KillWait, the pod's grace period, torchrun's shutdown
+    timeout), or SIGQUIT by hand.
     """
 
     def __init__(self, signal_names: tuple[str, ...]) -> None:
         self.signals = [signal.Signals[name] for name in signal_names]
         self.received: str | None = None
+        self.repeats = 0
         self._previous: dict[signal.Signals, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: stop now, as if unhandled
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if self.received is not None:
+            self.repeats += 1  # no logging here: a handler may interrupt the logging module
             return
         self.received = signal.Signals(signum).name
 
-    def install(self) -> None:
+    def install(self, early: list[int] | None = None) -> None:
+        """Handle the signals from now on; `early` lists signals recorded before this (by the
+        entry point's first lines, while torch was being imported)."""
+        for signum in early or ():
+            self._handle(signum, None)
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for sig in self.signals:
@@ -156,7 +167,7 @@ class StepGuard:
                     f"{self.consecutive} consecutive optimizer steps had a non-finite loss or "
                     f"gradient (the last at step {step}, {where}), "
                     f"train.max_nonfinite_steps={self.max_consecutive}: training diverged. Lower "
-                    "optim.lr, raise optim.warmup_steps or set optim.grad_clip; resume from a "
+                    "optim.lr, raise optim.warmup_steps or set optim.grad_clip, and resume from a "
                     "checkpoint before the divergence"
                 )
         else:

@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import sys
 
+# Stop signals that arrived before the training loop's handler was installed (torch's import
+# alone takes seconds, and a scheduler may signal at any time): that handler acts on them.
+_EARLY_SIGNALS: list[int] = []
+
 if __name__ == "__main__":  # a bad command line fails in a second, before torch is imported
+    import signal
+
     from config import ConfigError, parse_args
 
     try:
-        parse_args()
+        _early_cfg = parse_args()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    for _name in _early_cfg.run.preempt_signals:
+        signal.signal(signal.Signals[_name], lambda signum, _: _EARLY_SIGNALS.append(signum))
 
 import contextlib
 import functools
@@ -784,7 +792,7 @@ def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
-    preemption.install()  # early: a signal during start-up still stops at the first step
+    preemption.install(_EARLY_SIGNALS)  # a signal during start-up stops at the first step
     try:
         return _train(cfg, info, run_dir, preemption)
     finally:
@@ -864,6 +872,22 @@ def _train(
     }
 
 
+def launch_was_preempted() -> str:
+    """What the launcher's preemption marker says ('' when unset or empty).
+
+    Workers that checkpointed for a signal only they received exit 75, and torchrun, for which
+    any non-zero exit is a failure, restarts them; the launcher (scripts/supervise.py) stops
+    torchrun once it sees the marker, and until then a restarted worker must not train on.
+    """
+    marker = os.environ.get("TRAIN_PREEMPT_MARKER")
+    if not marker:
+        return ""
+    try:
+        return Path(marker).read_text().strip()
+    except OSError:
+        return ""
+
+
 @distributed.record
 def main(argv: list[str] | None = None) -> int:
     """Run training; the exit codes are listed in resilience.py and the README."""
@@ -873,6 +897,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return resilience.EXIT_BAD_INPUT
     setup_logging(int(os.environ.get("RANK", "0")))
+    already = launch_was_preempted()
+    if already:
+        log.warning(
+            "not starting: this launch was already preempted (%s); exiting with code %d",
+            already,
+            resilience.EXIT_PREEMPTED,
+        )
+        return resilience.EXIT_PREEMPTED
     try:
         info = distributed.setup(cfg.dist)
         cfg = for_world_size(cfg, info.world_size)

@@ -4,7 +4,8 @@
 #   MASTER_ADDR=10.1.0.5 NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 scripts/launch_multinode.sh --train.epochs=10
 #
 # Required: MASTER_ADDR (address of node 0, which hosts the rendezvous), NNODES, NODE_RANK.
-# Optional: MASTER_PORT (29500), NPROC_PER_NODE (auto: one per GPU, else one per CPU core),
+# Optional: MASTER_PORT (29500), NPROC_PER_NODE (auto: one per GPU, else one per CPU core;
+#   gpu, cpu or a count),
 #   JOB_ID (ddp-job; the same on all nodes of one job, distinct per job), MAX_RESTARTS (3),
 #   RDZV_JOIN_TIMEOUT (600 s to wait for all nodes), SOCKET_IFNAME (network interface for gloo
 #   and NCCL, e.g. eth0), LOCAL_ADDR (this node's address as the others reach it; default: its
@@ -40,7 +41,8 @@ require_int NODE_RANK "$NODE_RANK" 0
 (( NODE_RANK < NNODES )) || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 require_int MASTER_PORT "$MASTER_PORT" 1
 (( MASTER_PORT <= 65535 )) || die "MASTER_PORT=$MASTER_PORT is not a TCP port"
-[[ "$NPROC_PER_NODE" == auto ]] || require_int NPROC_PER_NODE "$NPROC_PER_NODE" 1
+# torchrun's own words: auto (one per GPU, else per CPU core), gpu, cpu, or a count
+[[ "$NPROC_PER_NODE" =~ ^(auto|gpu|cpu)$ ]] || require_int NPROC_PER_NODE "$NPROC_PER_NODE" 1
 require_int MAX_RESTARTS "$MAX_RESTARTS" 0
 require_int RDZV_JOIN_TIMEOUT "$RDZV_JOIN_TIMEOUT" 1
 RDZV_CHECK=${RDZV_CHECK:-1}
@@ -89,46 +91,11 @@ if [[ "$RDZV_CHECK" == 1 ]]; then
     "$PYTHON" scripts/rendezvous_check.py
 fi
 echo "launch_multinode.sh: node $NODE_RANK of $NNODES: ${cmd[*]}"
-# Preemption: SIGTERM, SIGUSR2 (Slurm's --signal) or SIGINT to this script reaches torchrun as
-# SIGTERM, which torchrun forwards to its workers; they checkpoint at the next step boundary
-# and exit (torchrun allows them 30 s). This script then exits 75, the documented "preempted,
-# resubmit" code, if the workers reported that checkpoint. torchrun runs in the background because bash runs a trap only between
-# commands, and `wait` is interruptible.
 # A fresh rendezvous store per restart round: torchrun otherwise keeps one store for all
 # restarts, where a restarted process group can find the dead workers' addresses.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# Rank 0 of each node writes this file after the preemption checkpoint (train.py): exit 75
-# only then.
-TRAIN_PREEMPT_MARKER=$(mktemp "${TMPDIR:-/tmp}/train-preempted.XXXXXX")
-export TRAIN_PREEMPT_MARKER
-trap 'rm -f "$TRAIN_PREEMPT_MARKER"' EXIT
-signalled=""
-forward() {
-  signalled=$1
-  echo "launch_multinode.sh: $1: asking the workers to checkpoint and stop" >&2
-  kill -TERM "$torchrun_pid" 2>/dev/null || true
-}
-trap 'forward SIGTERM' TERM
-trap 'forward SIGUSR2' USR2
-trap 'forward SIGINT' INT
-# torchrun ignores SIGUSR2: Slurm signals every process of the job step, and torchrun
-# (which handles only TERM, INT, HUP and QUIT) would die of it and orphan its workers. The
-# workers install their own handler; this script turns the signal into a SIGTERM for torchrun.
-( trap '' USR2; exec "${cmd[@]}" ) &
-torchrun_pid=$!
-status=0
-while :; do
-  wait "$torchrun_pid" && status=0 || status=$?
-  kill -0 "$torchrun_pid" 2>/dev/null || break  # else a trap interrupted wait: wait again
-done
-if [[ -n "$signalled" && -s "$TRAIN_PREEMPT_MARKER" ]]; then
-  echo "launch_multinode.sh: $signalled: the workers checkpointed ($(cat "$TRAIN_PREEMPT_MARKER"));" \
-    "torchrun exit $status: exit 75" >&2
-  exit 75
-fi
-if [[ -n "$signalled" ]]; then
-  echo "launch_multinode.sh: $signalled, but no preemption checkpoint was reported" \
-    "(torchrun exit $status)" >&2
-  (( status != 0 )) || status=1
-fi
-exit "$status"
+# Preemption and restarts: scripts/supervise.py runs torchrun. However a stop signal (SIGTERM,
+# SIGUSR2, SIGINT, SIGHUP) arrives, to this process, to torchrun, to each worker or all at once
+# and repeated, the workers agree at the next step boundary, write one checkpoint and the exit
+# is 75 ("preempted, resubmit"); 76 means "no progress across restarts: do not resubmit".
+exec "$PYTHON" scripts/supervise.py -- "${cmd[@]}"

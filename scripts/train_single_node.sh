@@ -10,4 +10,6 @@ cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="${NPROC_P
 echo "train_single_node.sh: ${cmd[*]}"
 # A fresh rendezvous store per restart (see launch_multinode.sh).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-exec "${cmd[@]}"
+# Stop signals (SIGTERM, SIGUSR2, SIGINT) however delivered: one checkpoint, exit 75
+# (see scripts/supervise.py).
+exec "$PYTHON" scripts/supervise.py -- "${cmd[@]}"

@@ -297,6 +297,36 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survi
     assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
 
 
+_RESAVE = """
+import sys, torch, checkpoint
+state = {"model": {"w": torch.full((200_000,), 3.0)}, "step": 2}
+checkpoint.save(state, checkpoint.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
+"""
+
+
+@pytest.mark.parametrize(
+    ("stage", "value"),
+    [("begin", 2.0), ("partial", 2.0), ("written", 2.0), ("renamed", 3.0), ("manifest", 3.0)],
+)
+def test_sigkill_during_a_resave_of_the_same_step_keeps_it_loadable(tmp_path, stage, value) -> None:
+    """A resumed run saves again the step it was preempted at. With keep=1 that step's
+    checkpoint is the only one: a kill at any stage of the re-save must leave it loadable, as
+    the old bytes until the new ones are renamed into place, as the new ones after."""
+    directory = checkpoint.checkpoint_dir(tmp_path)
+    checkpoint.save({"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}, directory, 2, 1, 0.4)
+    env = {**os.environ, "TRAIN_FAULTS": f"sigkill@save={stage}", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESAVE, str(tmp_path)], env=env, cwd=REPO, timeout=120
+    )
+    assert proc.returncode == -9
+    path, state = checkpoint.load_for_resume("auto", tmp_path, CPU)
+    assert path.name == "step_2.pt"
+    assert torch.equal(state["model"]["w"], torch.full((200_000,), value))
+    checkpoint.save({"model": {}, "step": 3}, directory, 3, 1, None)  # cleans up what was left
+    left = os.listdir(directory)
+    assert not [name for name in left if name.endswith(".tmp") or ".next." in name], left
+
+
 # ---------------------------------------------------------------------------------------------
 # Asynchronous saving
 
