@@ -13,6 +13,7 @@ as they were and at worst an incomplete new one, which loading recognises and sk
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -304,10 +305,8 @@ def verify(path: Path) -> None:
     manifest_file = manifest_path(path)
     vouched = []
     for candidate in (manifest_file, next_manifest_path(path)):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             vouched.append(_read_manifest(candidate))
-        except FileNotFoundError:
-            pass
     if not vouched:
         raise CheckpointError(
             f"checkpoint {path} has no manifest {manifest_file.name}: its save did not finish"

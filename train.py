@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import sys
 
-# Stop signals that arrived before the training loop's handler was installed (torch's import
-# alone takes seconds, and a scheduler may signal at any time): that handler acts on them.
-_EARLY_SIGNALS: list[int] = []
-
 if __name__ == "__main__":  # a bad command line fails in a second, before torch is imported
     import signal
 
@@ -23,6 +19,9 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    # Stop signals that arrive before the training loop's handler is installed (torch's import
+    # alone takes seconds, and a scheduler may signal at any time): that handler acts on them.
+    _EARLY_SIGNALS: list[int] = []
     for _name in _early_cfg.run.preempt_signals:
         signal.signal(signal.Signals[_name], lambda signum, _: _EARLY_SIGNALS.append(signum))
 
@@ -792,7 +791,8 @@ def progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
-    preemption.install(_EARLY_SIGNALS)  # a signal during start-up stops at the first step
+    # A signal during start-up (recorded by the first lines of this file) stops at step one.
+    preemption.install(globals().get("_EARLY_SIGNALS"))
     try:
         return _train(cfg, info, run_dir, preemption)
     finally:

@@ -32,6 +32,7 @@ What it does, and why:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -107,10 +108,8 @@ class Supervisor:
         self.stop_deadline = time.monotonic() + self.grace_s
         say(f"{reason}: asking the workers to checkpoint and stop (SIGTERM to torchrun)")
         if self.child is not None and self.status is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
 
     def reap(self) -> bool:
         """Reap exited children (torchrun, adopted workers); False once none is left."""
@@ -138,10 +137,8 @@ class Supervisor:
                 f"(SUPERVISE_GRACE_S): SIGKILL to {pids}"
             )
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def run(self, preempt_marker: Path, no_progress_marker: Path) -> int:
         if not become_subreaper():

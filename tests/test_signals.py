@@ -9,6 +9,7 @@ exit 75, and a resumed run must end `torch.equal` to a run that was never stoppe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -132,10 +133,8 @@ def run_job(launcher: str, run_dir: Path, log: Path) -> subprocess.CompletedProc
 def deliver(root: int, pattern: list[tuple[str, str]]) -> None:
     for who, name in pattern:
         for pid in job_tree(root)[who]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.Signals[name])
-            except ProcessLookupError:
-                pass
         time.sleep(0.02)
 
 
