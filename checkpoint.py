@@ -39,6 +39,8 @@ _READ_CHUNK = 1 << 22
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and the reason."""
 
+    exit_code = 2  # bad input: a restart cannot fix it
+
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"

@@ -27,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record as record
 from torch.nn.parallel import DistributedDataParallel
 
-from config import DistConfig
+from config import ConfigError, DistConfig
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,18 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class PeerError(RuntimeError):
-    """Work failed on another rank; that rank's own error says why."""
+    """Work failed on another rank; that rank's own error says why. `exit_code` is 2 when
+    every failure was bad input (so that all ranks exit alike), else 1."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def is_bad_input(error: BaseException) -> bool:
+    """Errors that retrying cannot fix (train.py exits 2 for them): a config, file or
+    checkpoint the user gave. Exception classes say so with `exit_code = 2`."""
+    return getattr(error, "exit_code", None) == 2 or isinstance(error, ConfigError | OSError)
 
 
 def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) -> None:
@@ -203,12 +214,16 @@ def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) 
     instead of a bare barrier: a failing rank would otherwise leave the others waiting in the
     barrier until the timeout.
     """
-    flag = torch.tensor([float(error is not None)], device=info.device)
-    num_failed = int(all_reduce_sum(flag).item())
+    failed = error is not None
+    flags = torch.tensor([float(failed), float(failed and is_bad_input(error))], device=info.device)
+    num_failed, num_bad_input = (int(v) for v in all_reduce_sum(flags).tolist())
     if error is not None:
         raise error
     if num_failed:
-        raise PeerError(f"{what} failed on {num_failed} other rank(s); see their errors")
+        raise PeerError(
+            f"{what} failed on {num_failed} other rank(s); see their errors",
+            exit_code=2 if num_bad_input == num_failed else 1,
+        )
 
 
 def run_on_main(info: DistInfo, what: str, fn: Callable[[], None], per_node: bool = False) -> None:

@@ -50,6 +50,7 @@ import engine
 import faults
 import preflight
 import resilience
+import rundir
 from config import Config, ConfigError, for_world_size, global_batch_size, parse_args
 from distributed import DistInfo
 from metrics import (
@@ -130,6 +131,17 @@ def steps_left_in_epoch(cfg: Config, info: DistInfo, num_train: int, consumed: i
 def write_config(cfg: Config, run_dir: Path) -> None:
     payload = (cfg.to_json() + "\n").encode()
     checkpoint.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+
+
+def write_settled(cfg: Config, run_dir: Path) -> None:
+    """Once resuming is settled: the config, and where an explicit ckpt.resume started the run
+    (restarts repeating the command then continue from the run's own checkpoints)."""
+    write_config(cfg, run_dir)
+    resume = cfg.ckpt.resume
+    if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
+        run_dir, resume
+    ):
+        rundir.record_origin(run_dir, resume)
 
 
 def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:
@@ -229,6 +241,7 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}: lower it or data.batch_size"
         )
     resumed = load_resume_state(cfg, info)
+    check_progress(cfg, info, resumed[1]["step"] if resumed is not None else 0)
     pos = Position()
     if resumed is not None:
         pos = resume_position(cfg, info, *resumed, num_train, data_fingerprint)
@@ -282,6 +295,25 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
     return job, pos
 
 
+def check_progress(cfg: Config, info: DistInfo, step: int) -> None:
+    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together."""
+    message = None
+    if info.is_main:
+        try:
+            rundir.count_attempt(Path(cfg.run.dir), step, cfg.run.max_attempts_without_progress)
+        except rundir.NoProgress as err:
+            message = str(err)
+        except OSError as err:  # the count is a safeguard: never the reason a run fails
+            log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
+    message = distributed.broadcast_object(message)
+    if message is not None:
+        marker = os.environ.get("TRAIN_NO_PROGRESS_MARKER")
+        if marker and info.local_rank == 0:  # scripts/supervise.py then exits 76
+            with contextlib.suppress(OSError):
+                Path(marker).write_text(f"no progress from step {step}\n")
+        raise rundir.NoProgress(message)
+
+
 def load_resume_state(cfg: Config, info: DistInfo) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from, loaded on every rank onto its own device.
 
@@ -291,10 +323,15 @@ def load_resume_state(cfg: Config, info: DistInfo) -> tuple[Path, dict[str, Any]
     chosen: list[tuple[Path, dict[str, Any]] | None] = []
 
     def choose() -> None:
-        found = checkpoint.load_for_resume(cfg.ckpt.resume, cfg.run.dir, info.device)
-        checkpoint.refuse_later_checkpoints(
-            cfg.run.dir, found[1]["step"] if found else 0, cfg.ckpt.resume
-        )
+        resume = cfg.ckpt.resume
+        if resume not in ("auto", "never") and rundir.continues_from_own_checkpoints(
+            Path(cfg.run.dir), resume
+        ):
+            # A restart repeating the command: PATH only initialised this run
+            log.info("ckpt.resume=%s started this run: continuing from its own checkpoints", resume)
+            resume = "auto"
+        found = checkpoint.load_for_resume(resume, cfg.run.dir, info.device)
+        checkpoint.refuse_later_checkpoints(cfg.run.dir, found[1]["step"] if found else 0, resume)
         chosen.append(found)
 
     distributed.run_on_main(info, "choosing the checkpoint to resume from", choose)
@@ -522,6 +559,8 @@ def preempt(
         distributed.average_buffers(job.model)
     loop.watchdog.beat(pos.step, "checkpointing")
     save_checkpoint(cfg, info, job, pos, None, wait=True, pending_eval=at_segment_end)
+    if info.is_main:  # progress: restarts after this one start counting anew
+        rundir.reset_attempts(Path(cfg.run.dir), pos.step)
     marker = os.environ.get("TRAIN_PREEMPT_MARKER")
     if marker and info.local_rank == 0:  # launch_multinode.sh exits 75 only after this
         with contextlib.suppress(OSError):
@@ -793,23 +832,33 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
     # A signal during start-up (recorded by the first lines of this file) stops at step one.
     preemption.install(globals().get("_EARLY_SIGNALS"))
+    lease = rundir.Lease(run_dir, cfg.run.lease_timeout_s)
+    created = not run_dir.exists()
+
+    def take_lease() -> None:  # before anything else is written into the run dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lease.acquire()
+
     try:
+        distributed.run_on_main(info, f"taking the lease of run.dir={run_dir}", take_lease)
         return _train(cfg, info, run_dir, preemption)
     finally:
         preemption.restore()
+        if info.is_main:
+            lease.release()
+            if created:  # a run refused before writing anything leaves no empty run dir
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()
 
 
 def _train(
     cfg: Config, info: DistInfo, run_dir: Path, preemption: resilience.PreemptionHandler
 ) -> dict[str, Any]:
-    distributed.run_on_main(
-        info, f"creating run.dir={run_dir}", lambda: run_dir.mkdir(parents=True, exist_ok=True)
-    )
     seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
     job, pos = build(cfg, info)
     # Only now, once resuming (or refusing to) is settled: a refused run changes no file.
     distributed.run_on_main(
-        info, f"writing {run_dir / 'config.json'}", lambda: write_config(cfg, run_dir)
+        info, f"writing {run_dir / 'config.json'}", lambda: write_settled(cfg, run_dir)
     )
     log.info(
         "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
@@ -861,6 +910,8 @@ def _train(
         loop.profiler.stop()
         loop.watchdog.stop()
         writer.close()
+    if info.is_main:  # finished: a later attempt (a requeue, say) starts counting anew
+        rundir.reset_attempts(run_dir, pos.step)
     if result is None:
         log.info("nothing to do: the checkpoint is at step %d of %d", pos.step, job.total_steps)
         return {"step": pos.step}
@@ -911,6 +962,9 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, info)
         log.info("done: %s", result)
         return 0
+    except rundir.NoProgress as err:
+        log.error("%s", err)
+        return rundir.EXIT_NO_PROGRESS
     except resilience.Preempted as stop:
         log.warning(
             "%s: checkpoint written, exiting with code %d; resume with the same command",
@@ -926,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         return resilience.EXIT_BAD_INPUT
     except distributed.PeerError as err:
         log.error("%s", err)
-        return 1
+        return err.exit_code
     finally:
         distributed.teardown()
 

@@ -44,7 +44,13 @@ COMMON = [
 
 
 def launch(
-    run_dir: Path, nproc: int, *args: str, faults: str = "", restarts: int = 0, timeout: int = 240
+    run_dir: Path,
+    nproc: int,
+    *args: str,
+    faults: str = "",
+    restarts: int = 0,
+    timeout: int = 240,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
@@ -55,7 +61,7 @@ def launch(
             f"--max-restarts={restarts}",
             "train.py",
         ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults, **(env or {})}
     proc = subprocess.run(
         [*cmd, f"--run.dir={run_dir}", *COMMON, *args],
         cwd=REPO,
@@ -334,3 +340,127 @@ def test_mid_epoch_resume_on_another_world_size_sees_each_sample_once(tmp_path) 
         0: expected_digest(0, samples_per_epoch(2)),
         1: expected_digest(1, consumed_by_two + rest_on_one),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Restarts continue the run; one job per run dir; a crash loop stops
+
+
+def test_a_restart_repeating_an_explicit_resume_path_continues_the_run(
+    tmp_path, reference_1
+) -> None:
+    """--ckpt.resume=PATH starts the run; a restart repeats the command (torchrun, a requeue)
+    and must continue from the run's own newer checkpoints, not refuse them."""
+    start = reference_1 / "checkpoints" / "step_7.pt"
+    run_dir = tmp_path / "run"
+    args = (f"--ckpt.resume={start}", "--ckpt.every_steps=2")
+    first = launch(run_dir, 1, *args, faults="sigkill@step=10")
+    assert first.returncode == -9 and "resuming from" in first.output, first.output[-3000:]
+    again = launch(run_dir, 1, *args)
+    assert again.returncode == 0, again.output[-3000:]
+    assert "continuing from its own checkpoints" in again.output
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_10.pt'} at step 10" in again.output
+    assert_same_training_state(final_state(run_dir), final_state(reference_1))
+
+
+def test_a_second_job_in_a_run_dir_is_refused_naming_the_holder(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(
+        [sys.executable, "train.py", f"--run.dir={run_dir}", *COMMON, "--train.epochs=400"],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.2)
+        config_before = (run_dir / "config.json").read_bytes()
+        second = launch(run_dir, 2, "--train.epochs=400")
+        assert second.returncode != 0
+        assert "exitcode: 2" in second.output
+        host = socket.gethostname()
+        assert f"is in use by job process-{host}-{first.pid} (host {host}, pid {first.pid}" in (
+            second.output
+        )
+        assert (run_dir / "config.json").read_bytes() == config_before  # nothing written
+        assert first.poll() is None  # the holder trains on
+    finally:
+        first.kill()
+        first.wait()
+        log.close()
+    # The holder died (same host, its pid is gone): the next job takes the lease at once.
+    third = launch(run_dir, 1, "--train.epochs=400", "--train.max_steps=2")
+    assert third.returncode == 0, third.output[-3000:]
+    assert f"process-{host}-{first.pid}" in third.output and "has exited" in third.output
+    assert not (run_dir / "lease.json").exists()  # released at the end
+
+
+def test_a_lease_from_another_host_is_refused_while_fresh_and_taken_when_stale(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lease = run_dir / "lease.json"
+    holder = {"job": "slurm-999", "host": "elsewhere", "pid": 1, "started": time.time()}
+    lease.write_text(json.dumps({**holder, "heartbeat": time.time()}))
+    args = ("--train.max_steps=2", "--run.lease_timeout_s=60")
+    refused = launch(run_dir, 1, *args)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert "in use by job slurm-999 (host elsewhere, pid 1" in refused.output
+    assert "expires" in refused.output
+    assert sorted(p.name for p in run_dir.iterdir()) == ["lease.json"]  # nothing written
+    # The same job restarted (a Slurm requeue keeps the job id) continues at once.
+    same_job = launch(run_dir, 1, *args, env={"SLURM_JOB_ID": "999"})
+    assert same_job.returncode == 0, same_job.output[-3000:]
+    assert "continuing job slurm-999" in same_job.output
+    # A holder silent for longer than the timeout is taken over.
+    lease.write_text(json.dumps({**holder, "heartbeat": time.time() - 61}))
+    stale = launch(run_dir, 1, "--train.max_steps=3", "--run.lease_timeout_s=60")
+    assert stale.returncode == 0, stale.output[-3000:]
+    assert "silent for more than run.lease_timeout_s=60" in stale.output
+
+
+def test_a_refused_run_leaves_no_empty_run_dir(tmp_path) -> None:
+    missing = tmp_path / "nope.pt"
+    proc = launch(tmp_path / "run", 1, f"--ckpt.resume={missing}")
+    assert proc.returncode == 2, proc.output[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_restarts_without_progress_stop_with_exit_76(tmp_path) -> None:
+    """Every attempt dies before its first checkpoint (a scheduler requeue each time): after
+    run.max_attempts_without_progress attempts from the same step, the next exits 76 at once;
+    a preemption (progress) starts the count anew."""
+    run_dir = tmp_path / "run"
+    for _ in range(2):
+        assert launch(run_dir, 1, faults="sigkill@step=2").returncode == -9
+    preempted = launch(run_dir, 1, faults="sigterm@step=1")
+    assert preempted.returncode == 75  # progress: step 2 saved; the count starts again
+    for _ in range(3):
+        assert launch(run_dir, 1, faults="sigkill@step=3").returncode == -9
+    stopped = launch(run_dir, 1)
+    assert stopped.returncode == 76, stopped.output[-3000:]
+    assert "3 attempts in a row started from step 2" in stopped.output
+    assert final_state(run_dir)["step"] == 2  # nothing else written
+
+
+def test_torchrun_restarts_without_progress_end_the_launcher_with_exit_76(tmp_path) -> None:
+    """The same under one torchrun whose restarts each die: launch_multinode.sh exits 76."""
+    kills = ";".join(f"sigkill@step=1,rank=1,restart={k}" for k in range(3))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": kills, "MAX_RESTARTS": "5"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="1")
+    env.update(NODE_RANK="0", NPROC_PER_NODE="2")
+    proc = subprocess.run(
+        ["bash", "scripts/launch_multinode.sh", f"--run.dir={tmp_path / 'run'}", *COMMON],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 76, output[-4000:]
+    assert "no progress" in output and "do not restart" in output
