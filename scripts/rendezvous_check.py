@@ -7,13 +7,20 @@ checks in with its NODE_RANK, NNODES and host name. Node 0 alone decides, by its
 (RDZV_JOIN_TIMEOUT seconds), and publishes one verdict that every node that arrived reads:
 all go on to torchrun, or all exit with the same message naming the endpoint, the nodes that
 arrived and the NODE_RANKs that did not.
+Node 0 also checks the address each node will advertise to torchrun's rendezvous (LOCAL_ADDR,
+else its fully qualified host name): nodes sharing one name, or a name that resolves to
+loopback or not at all on its node, would make torchrun's workers wait for unreachable peers
+with no message until a timeout; this check names them and LOCAL_ADDR instead.
+
 Exit codes: 0 all arrived; 3 timeout, unreachable node 0, or node 0 gone; 4 bad setup (port in
-use, MASTER_ADDR not an address of node 0, duplicate NODE_RANK, NNODES differing between nodes).
+use, MASTER_ADDR not an address of node 0, duplicate NODE_RANK, NNODES differing between nodes,
+advertised addresses that do not lead back to their node).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -105,8 +112,47 @@ def connect(addr: str, port: int, node_rank: int, timeout_s: float) -> TCPStore:
     raise AssertionError("unreachable")
 
 
+def advertised_address() -> dict:
+    """The name torchrun will advertise for this node to the others (LOCAL_ADDR, else the
+    fully qualified host name) and what it resolves to here."""
+    local = os.environ.get("LOCAL_ADDR", "")
+    name = local or socket.getfqdn()
+    try:
+        ips = sorted(
+            {info[4][0] for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
+        )
+    except OSError:
+        ips = []
+    return {"name": name, "explicit": bool(local), "ips": ips}
+
+
+def address_problems(present: dict[int, dict]) -> list[str]:
+    """Advertised names that cannot lead the other nodes back to their node: torchrun's
+    rendezvous would hand them out and the workers would wait on them until a timeout."""
+    problems = []
+    by_name: dict[str, list[int]] = {}
+    for rank, node in present.items():
+        by_name.setdefault(node["addr"]["name"], []).append(rank)
+    for name, ranks in by_name.items():
+        if len(ranks) > 1:
+            problems.append(f"NODE_RANKs {ranks} all advertise the same host name {name!r}")
+    for rank, node in present.items():
+        addr = node["addr"]
+        if not addr["ips"]:
+            problems.append(
+                f"NODE_RANK {rank} ({node['host']}) advertises {addr['name']!r}, which does "
+                "not resolve on that node"
+            )
+        elif all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in addr["ips"]):
+            problems.append(
+                f"NODE_RANK {rank} ({node['host']}) advertises {addr['name']!r}, which "
+                f"resolves to loopback ({', '.join(addr['ips'])}) on that node"
+            )
+    return problems
+
+
 def check_in(store: TCPStore, node_rank: int, num_nodes: int) -> None:
-    me = {"host": socket.gethostname(), "nnodes": num_nodes}
+    me = {"host": socket.gethostname(), "nnodes": num_nodes, "addr": advertised_address()}
     if store.add(f"rank/{node_rank}", 1) > 1:
         reason = (
             f"NODE_RANK={node_rank} is used by two nodes (one is {me['host']}); give "
@@ -150,6 +196,18 @@ def decide(store: TCPStore, addr: str, port: int, num_nodes: int, timeout_s: flo
         verdict = {
             "code": 4,
             "message": f"NNODES differs between nodes: node 0 has {num_nodes}; {odd}",
+        }
+    elif num_nodes > 1 and (problems := address_problems(present)):
+        verdict = {
+            "code": 4,
+            "message": (
+                "the nodes' addresses do not lead back to them: "
+                + "; ".join(problems)
+                + ". torchrun would advertise these names and its workers would wait for "
+                "unreachable peers until a timeout. Set LOCAL_ADDR on each node to its own "
+                "address as the other nodes reach it (for example LOCAL_ADDR=$(hostname -I | "
+                "cut -d' ' -f1)), or fix the host names in DNS or /etc/hosts"
+            ),
         }
     else:
         verdict = {

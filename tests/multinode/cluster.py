@@ -37,12 +37,13 @@ class Cluster:
         port: int = 29400,
         timeout: float = 240,
         private_dirs: dict[int, str] | None = None,
+        hostnames: dict[int, str] | None = None,
         **overrides: str,
     ) -> list[subprocess.CompletedProcess]:
         """Run scripts/launch_multinode.sh on `nodes` as a user would on each machine.
 
         `private_dirs` maps a node to a directory that gets a tmpfs of its own on that node:
-        a node-local disk where the others have shared storage.
+        a node-local disk where the others have shared storage. `hostnames` renames nodes.
         """
         procs, logs = [], []
         for node_rank, node in enumerate(nodes):
@@ -61,6 +62,8 @@ class Cluster:
                 **overrides,
             }
             argv = ["bash", "scripts/launch_multinode.sh", *args]
+            if hostnames and node in hostnames:  # this host's own UTS namespace only
+                argv = ["sh", "-c", 'hostname "$0" && exec "$@"', hostnames[node], *argv]
             if private_dirs and node in private_dirs:
                 mount = 'mkdir -p "$0" && mount -t tmpfs tmpfs "$0" && exec "$@"'
                 argv = ["sh", "-c", mount, private_dirs[node], *argv]

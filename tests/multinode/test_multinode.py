@@ -223,3 +223,33 @@ def test_sigkill_on_one_node_restarts_both_and_matches_a_clean_run(tmp_path) -> 
     a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
     for key, value in a["model"].items():
         assert torch.equal(b["model"][key], value), key
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        ({0: "gpu-node", 1: "gpu-node"}, "NODE_RANKs [0, 1] all advertise the same host name"),
+        ({0: "node-a", 1: "localhost"}, "NODE_RANK 1 (localhost) advertises 'localhost', which "),
+    ],
+)
+def test_host_names_that_do_not_lead_back_are_explained_naming_local_addr(
+    tmp_path, names, expected
+) -> None:
+    """Without LOCAL_ADDR torchrun advertises each node's host name; the same name on every
+    node, or one resolving to loopback, would leave the workers waiting past every timeout."""
+    start = time.monotonic()
+    with netns_cluster(2) as cluster:
+        results = cluster.launch(
+            [0, 1],
+            nproc=1,
+            args=[f"--run.dir={tmp_path / 'run'}", *JOB],
+            hostnames=names,
+            LOCAL_ADDR="",
+            RDZV_JOIN_TIMEOUT="30",
+            timeout=120,
+        )
+    assert time.monotonic() - start < 90
+    for result in results:
+        assert result.returncode == 4, result.stdout[-3000:]
+        assert expected in result.stdout and "Set LOCAL_ADDR" in result.stdout
+    assert not (tmp_path / "run").exists()  # nothing started
