@@ -215,6 +215,10 @@ class ModelConfig:
             "(tensor cores read NHWC) and CPU (oneDNN's convolutions do too)"
         ),
     )
+    dropout: float = field(
+        default=0.0,
+        metadata=doc("dropout probability before the classifier, in [0, 1); 0 = no dropout"),
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -234,6 +238,12 @@ class ModelConfig:
             "model.blocks_per_stage",
             self.blocks_per_stage,
             "must be >= 1",
+        )
+        _require(
+            math.isfinite(self.dropout) and 0 <= self.dropout < 1,
+            "model.dropout",
+            self.dropout,
+            "must be in [0, 1)",
         )
 
 

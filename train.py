@@ -190,6 +190,7 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
         widths=cfg.model.widths,
         blocks_per_stage=cfg.model.blocks_per_stage,
         norm=cfg.model.norm,
+        dropout=cfg.model.dropout,
     )
     if cfg.model.norm == "syncbatch" and info.world_size > 1:
         if info.device.type != "cuda":
@@ -757,12 +758,22 @@ def make_loop(
 
 
 def count_flops(job: Job, loop: Loop, info: DistInfo) -> None:
-    """FLOPs per training sample, and (rank 0) the device's peak FLOP/s, for MFU in the logs."""
-    images, labels = next(iter(job.eval_loader))
-    sample, _ = job.preprocess(images[:2], labels[:2])
-    loop.flops_per_sample = flops_per_sample(job.model, sample, job.loss_fn)
+    """FLOPs per training sample, and (rank 0) the device's peak FLOP/s, for MFU in the logs.
+
+    The probe draws random numbers (the matmul operands, the probe model's dropout masks): it
+    runs between the generators' restore from a checkpoint and the first resumed step, so the
+    generators are put back as they were, or resuming would not continue the same run.
+    """
+    saved_rng = resilience.rng_state()
+    try:
+        images, labels = next(iter(job.eval_loader))
+        sample, _ = job.preprocess(images[:2], labels[:2])
+        loop.flops_per_sample = flops_per_sample(job.model, sample, job.loss_fn)
+        if info.is_main:
+            loop.peak_flops = peak_flops(info.device, job.amp_dtype or torch.float32)
+    finally:
+        resilience.set_rng_state(saved_rng)
     if info.is_main:
-        loop.peak_flops = peak_flops(info.device, job.amp_dtype or torch.float32)
         log.info(
             "model: %.3g GFLOP per training sample (forward + backward); peak %.3g TFLOP/s "
             "(%s matmul)",

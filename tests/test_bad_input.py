@@ -108,6 +108,7 @@ CASES = [
     Case("amp_choice", ("--train.amp=fp8",), "train.amp", "fp8"),
     Case("widths_empty", ("--model.widths=",), patterns=(r"model\.widths\W{1,4}(\(\)|''|empty)",)),
     Case("widths_non_numeric", ("--model.widths=16,x",), "model.widths", "16,x"),
+    Case("dropout_one", ("--model.dropout=1",), "model.dropout", "1.0"),
     Case("grad_accum_zero", ("--train.grad_accum_steps=0",), "train.grad_accum_steps", "0"),
     Case("timeout_zero", ("--dist.timeout_s=0",), "dist.timeout_s", "0"),
     Case("subset_exceeds_dataset", ("--data.subset=1000",), "data.subset", "1000"),

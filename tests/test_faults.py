@@ -150,6 +150,25 @@ def test_preempted_run_resumes_exactly(tmp_path, reference_1, stop_after) -> Non
     assert [r["step"] for r in eval_rows(run_dir)] == [r["step"] for r in eval_rows(reference_1)]
 
 
+def test_preempted_run_with_dropout_resumes_exactly(tmp_path, reference_1) -> None:
+    """Training draws random numbers (dropout masks): nothing may draw from the generators
+    between their restore and the first resumed step (the start-up FLOP probe did)."""
+    reference = tmp_path / "reference"
+    assert launch(reference, 1, "--model.dropout=0.3").returncode == 0
+    ref_state = final_state(reference)
+    # Dropout really changed the training (else this test would prove nothing).
+    assert not torch.equal(
+        ref_state["model"]["head.weight"], final_state(reference_1)["model"]["head.weight"]
+    )
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 1, "--model.dropout=0.3", faults="sigterm@step=3")
+    assert first.returncode == 75, first.output[-3000:]
+    second = launch(run_dir, 1, "--model.dropout=0.3")
+    assert second.returncode == 0, second.output[-3000:]
+    assert "GFLOP per training sample" in second.output  # the probe ran in the resumed run
+    assert_same_training_state(final_state(run_dir), ref_state)
+
+
 def test_configurable_signal_sigusr2_preempts(tmp_path, reference_1) -> None:
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, "--run.preempt_signals=SIGUSR2", faults="sigusr2@step=3")
