@@ -799,7 +799,7 @@ def make_loop(
         ),
         preemption=preemption,
         watchdog=resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s),
-        started=time.perf_counter(),
+        started=time.perf_counter() - writer.time_offset_s,  # time_s goes on after a resume
         clock=PhaseClock(info.device),
         stragglers=StragglerReport(
             info, cfg.log.straggler_every_steps if info.world_size > 1 else 0
@@ -882,7 +882,11 @@ def _train(
         cfg.fingerprint(),
     )
     writer = MetricsWriter(run_dir, info.is_main, cfg.log.tensorboard)
-    distributed.run_on_main(info, "opening metrics.jsonl and tensorboard", writer.open)
+    distributed.run_on_main(
+        info,
+        "opening metrics.jsonl and tensorboard",
+        lambda: writer.open(pos.step, job.pending_eval),
+    )
     loop = make_loop(cfg, info, job, writer, preemption)
     result: engine.EvalResult | None = None
     loop.watchdog.start()

@@ -246,6 +246,30 @@ def test_resume_applies_the_optimizer_settings_of_the_command_line(tmp_path) -> 
         assert lr == pytest.approx(new_lr * 0.5 * (1 + math.cos(math.pi * progress)), abs=1e-12)
 
 
+def test_metrics_hold_each_step_once_across_preemptions_and_kills(tmp_path, reference_1) -> None:
+    """Preempted at the end of epoch 0 (its evaluation owed), killed after evaluating but
+    before saving, killed again two steps after a checkpoint, then finished: metrics.jsonl
+    lists the same rows as an uninterrupted run, and time_s never goes back."""
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 1, faults="sigterm@step=6")
+    assert first.returncode == 75, first.output[-3000:]
+    second = launch(run_dir, 1, faults="sigkill@save=begin")  # evaluates step 7, then dies
+    assert second.returncode == -signal.SIGKILL, second.output[-3000:]
+    third = launch(run_dir, 1, "--ckpt.every_steps=2", faults="sigkill@step=9")
+    assert third.returncode == -signal.SIGKILL, third.output[-3000:]
+    assert final_state(run_dir)["step"] == 8  # steps 9's row is past the checkpoint
+    last = launch(run_dir, 1)
+    assert last.returncode == 0, last.output[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = [
+        json.loads(line) for line in (reference_1 / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [(r["kind"], r["step"]) for r in rows] == [(r["kind"], r["step"]) for r in ref_rows]
+    times = [r["time_s"] for r in rows]
+    assert times == sorted(times), times
+    assert_same_training_state(final_state(run_dir), final_state(reference_1))
+
+
 def test_configurable_signal_sigusr2_preempts(tmp_path, reference_1) -> None:
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, "--run.preempt_signals=SIGUSR2", faults="sigusr2@step=3")
