@@ -71,11 +71,31 @@ def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: b
     except OSError as err:  # e.g. a full disk: flush() alone would not say which file
         tmp.unlink(missing_ok=True)
         raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
+    except RuntimeError as err:
+        tmp.unlink(missing_ok=True)
+        # torch.save reports a failed write of its own (ENOSPC, EIO) as "enforce fail at
+        # inline_container.cc ... unexpected pos", the OSError only in the exception's context.
+        cause = _os_error_behind(err)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"cannot write {path}: {cause.strerror or cause}") from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if sync_dir:
         _fsync_dir(path.parent)
+
+
+def _os_error_behind(err: BaseException) -> OSError | None:
+    """The OSError an exception was raised from or while handling, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class _HashingWriter:
