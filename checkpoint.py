@@ -249,6 +249,9 @@ def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) 
     if resume == "auto":
         return
     directory = checkpoint_dir(run_dir)
+    given = Path(resume)
+    if given.is_dir() and given.resolve() in (Path(run_dir).resolve(), directory.resolve()):
+        return  # this run's own directory, named explicitly: the same as auto
     later = [step for step, _ in list_checkpoints(directory) if step > start_step]
     if later:
         raise CheckpointError(
@@ -322,13 +325,28 @@ def load_for_resume(
 
     `auto` takes the newest checkpoint that verifies and loads, skipping (with a warning) any
     that do not; if checkpoints exist but none loads it raises rather than silently starting
-    over.
+    over. A directory (a run dir, or its checkpoints/ folder) is searched the same way, and
+    must hold a usable checkpoint.
     """
     if resume == "never":
         return None
     if resume != "auto":
-        return Path(resume), load(resume, device)
-    directory = checkpoint_dir(run_dir)
+        given = Path(resume)
+        if not given.is_dir():
+            return given, load(resume, device)
+        directory = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+        found = _newest_usable(directory, device)
+        if found is None:
+            raise CheckpointError(
+                f"ckpt.resume={resume}: no checkpoint in {directory} (step_<N>.pt files); "
+                "give a run dir, its checkpoints/ folder or a checkpoint file"
+            )
+        return found
+    return _newest_usable(checkpoint_dir(run_dir), device)
+
+
+def _newest_usable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that loads (None if it holds none at all)."""
     errors = []
     for _, path in reversed(list_checkpoints(directory)):
         try:

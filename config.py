@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import signal
 import sys
 import tomllib
@@ -55,6 +56,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.dir.strip()), "run.dir", self.dir, "give a directory path")
+        object.__setattr__(self, "dir", os.path.expanduser(self.dir))  # ~ = home, not ./~
         for name in self.preempt_signals:
             _require(
                 name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"),
@@ -146,6 +148,7 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "root", os.path.expanduser(self.root))  # ~ = home, not ./~
         _require(self.subset >= 0, "data.subset", self.subset, "use 0 for all or a positive count")
         _require(
             self.global_batch_size >= 0,
@@ -411,7 +414,8 @@ class CkptConfig:
         default="auto",
         metadata=doc(
             "auto = newest valid checkpoint in run.dir/checkpoints if any, never = start fresh, "
-            "or a path to a checkpoint file"
+            "a path to a checkpoint file, or a directory (a run dir or its checkpoints/ folder) "
+            "whose newest valid checkpoint is taken"
         ),
     )
 
@@ -429,6 +433,7 @@ class CkptConfig:
             self.resume,
             "use auto, never or a checkpoint path",
         )
+        object.__setattr__(self, "resume", os.path.expanduser(self.resume))  # ~ = home
 
 
 @dataclass(frozen=True)
