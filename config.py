@@ -134,6 +134,14 @@ class DataConfig:
         default=32,
         metadata=doc("imagefolder only: images are resized to image_size x image_size pixels"),
     )
+    prepare_timeout_s: float = field(
+        default=3600.0,
+        metadata=doc(
+            "seconds the other ranks wait (logging progress) for local rank 0 of each node to "
+            "download or prepare the dataset, instead of dist.timeout_s; then the job fails "
+            "naming the dataset and the preparing rank"
+        ),
+    )
     synthetic_train_size: int = field(
         default=8192, metadata=doc("synthetic only: number of training samples")
     )
@@ -166,6 +174,12 @@ class DataConfig:
         )
         _require(self.crop_padding >= 0, "data.crop_padding", self.crop_padding, "must be >= 0")
         _require(self.image_size >= 8, "data.image_size", self.image_size, "must be >= 8")
+        _require(
+            math.isfinite(self.prepare_timeout_s) and self.prepare_timeout_s > 0,
+            "data.prepare_timeout_s",
+            self.prepare_timeout_s,
+            "must be a number of seconds > 0",
+        )
         _require(
             self.synthetic_train_size >= 1,
             "data.synthetic_train_size",

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 import distributed
+import faults
 from config import ConfigError, DataConfig
 from distributed import DistInfo
 
@@ -269,17 +270,25 @@ _BUILDERS = {
 def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     """Load (and if allowed download) the dataset; one process per node touches the disk first.
 
-    Local rank 0 prepares the files while the others wait at a barrier, then every rank loads.
-    The barrier is called by every rank, also when preparation fails, so a missing dataset
-    fails fast everywhere instead of hanging the other ranks.
+    Local rank 0 prepares the files while the others wait (up to data.prepare_timeout_s, with
+    progress logged), then every rank loads. The wait ends for every rank also when
+    preparation fails, so a missing dataset fails fast everywhere instead of hanging the others.
     """
     builder = _BUILDERS[cfg.dataset]
     prepared: list[DataSplits] = []
-    distributed.run_on_main(
+
+    def prepare() -> None:
+        faults.fire("prepare", "begin", info.rank)
+        prepared.append(builder(cfg))
+
+    # Bounded by data.prepare_timeout_s, not dist.timeout_s: a download may take long.
+    distributed.run_on_node_leaders_bounded(
         info,
-        f"preparing the {cfg.dataset} dataset",
-        lambda: prepared.append(builder(cfg)),
-        per_node=True,
+        f"the {cfg.dataset} dataset to be prepared",
+        prepare,
+        cfg.prepare_timeout_s,
+        "data.prepare_timeout_s",
+        progress_every_s=min(30.0, cfg.prepare_timeout_s / 10),
     )
     splits = prepared[0] if prepared else builder(cfg)
     if cfg.subset:

@@ -374,6 +374,40 @@ def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path,
 
 
 # ---------------------------------------------------------------------------------------------
+# Dataset preparation slower than the collective timeout
+
+
+def test_slow_dataset_preparation_outlasts_the_collective_timeout(tmp_path) -> None:
+    """Rank 0 prepares for 14 s; a collective would time out after 4 + 5 s (dist.timeout_s +
+    grace); the other rank waits under data.prepare_timeout_s instead, and the run trains."""
+    proc = launch(
+        tmp_path / "run",
+        2,
+        "--dist.timeout_s=4",
+        "--data.prepare_timeout_s=120",
+        "--train.max_steps=2",
+        faults="sleep@prepare=begin,rank=0,seconds=14",
+    )
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "waiting for the synthetic dataset" in proc.output  # progress was logged
+
+
+def test_dataset_preparation_past_its_bound_fails_naming_dataset_and_rank(tmp_path) -> None:
+    started = time.monotonic()
+    proc = launch(
+        tmp_path / "run",
+        2,
+        "--dist.timeout_s=60",
+        "--data.prepare_timeout_s=6",
+        faults="sleep@prepare=begin,rank=0,seconds=100",
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 60, proc.output[-4000:]  # the bound, not a timeout
+    for expected in ("data.prepare_timeout_s=6", "synthetic dataset", "rank 0"):
+        assert expected in proc.output, (expected, proc.output[-4000:])
+
+
+# ---------------------------------------------------------------------------------------------
 # 6. Non-finite values
 
 
