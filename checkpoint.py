@@ -79,11 +79,31 @@ def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: b
     except OSError as err:  # e.g. a full disk: flush() alone would not say which file
         tmp.unlink(missing_ok=True)
         raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
+    except RuntimeError as err:
+        tmp.unlink(missing_ok=True)
+        # torch.save reports a failed write of its own (ENOSPC, EIO) as "enforce fail at
+        # inline_container.cc ... unexpected pos", the OSError only in the exception's context.
+        cause = _os_error_behind(err)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"cannot write {path}: {cause.strerror or cause}") from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if sync_dir:
         _fsync_dir(path.parent)
+
+
+def _os_error_behind(err: BaseException) -> OSError | None:
+    """The OSError an exception was raised from or while handling, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class _HashingWriter:
@@ -273,6 +293,9 @@ def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) 
     if resume == "auto":
         return
     directory = checkpoint_dir(run_dir)
+    given = Path(resume)
+    if given.is_dir() and given.resolve() in (Path(run_dir).resolve(), directory.resolve()):
+        return  # this run's own directory, named explicitly: the same as auto
     later = [step for step, _ in list_checkpoints(directory) if step > start_step]
     if later:
         raise CheckpointError(
@@ -360,13 +383,28 @@ def load_for_resume(
 
     `auto` takes the newest checkpoint that verifies and loads, skipping (with a warning) any
     that do not; if checkpoints exist but none loads it raises rather than silently starting
-    over.
+    over. A directory (a run dir, or its checkpoints/ folder) is searched the same way, and
+    must hold a usable checkpoint.
     """
     if resume == "never":
         return None
     if resume != "auto":
-        return Path(resume), load(resume, device)
-    directory = checkpoint_dir(run_dir)
+        given = Path(resume)
+        if not given.is_dir():
+            return given, load(resume, device)
+        directory = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+        found = _newest_usable(directory, device)
+        if found is None:
+            raise CheckpointError(
+                f"ckpt.resume={resume}: no checkpoint in {directory} (step_<N>.pt files); "
+                "give a run dir, its checkpoints/ folder or a checkpoint file"
+            )
+        return found
+    return _newest_usable(checkpoint_dir(run_dir), device)
+
+
+def _newest_usable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that loads (None if it holds none at all)."""
     errors = []
     for _, path in reversed(list_checkpoints(directory)):
         try:

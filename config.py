@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import signal
 import sys
 import tomllib
@@ -70,6 +71,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.dir.strip()), "run.dir", self.dir, "give a directory path")
+        object.__setattr__(self, "dir", os.path.expanduser(self.dir))  # ~ = home, not ./~
         for name in self.preempt_signals:
             _require(
                 name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"),
@@ -159,6 +161,14 @@ class DataConfig:
         default=32,
         metadata=doc("imagefolder only: images are resized to image_size x image_size pixels"),
     )
+    prepare_timeout_s: float = field(
+        default=3600.0,
+        metadata=doc(
+            "seconds the other ranks wait (logging progress) for local rank 0 of each node to "
+            "download or prepare the dataset, instead of dist.timeout_s; then the job fails "
+            "naming the dataset and the preparing rank"
+        ),
+    )
     synthetic_train_size: int = field(
         default=8192, metadata=doc("synthetic only: number of training samples")
     )
@@ -173,6 +183,7 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "root", os.path.expanduser(self.root))  # ~ = home, not ./~
         _require(self.subset >= 0, "data.subset", self.subset, "use 0 for all or a positive count")
         _require(
             self.global_batch_size >= 0,
@@ -190,6 +201,12 @@ class DataConfig:
         )
         _require(self.crop_padding >= 0, "data.crop_padding", self.crop_padding, "must be >= 0")
         _require(self.image_size >= 8, "data.image_size", self.image_size, "must be >= 8")
+        _require(
+            math.isfinite(self.prepare_timeout_s) and self.prepare_timeout_s > 0,
+            "data.prepare_timeout_s",
+            self.prepare_timeout_s,
+            "must be a number of seconds > 0",
+        )
         _require(
             self.synthetic_train_size >= 1,
             "data.synthetic_train_size",
@@ -242,6 +259,10 @@ class ModelConfig:
             "(tensor cores read NHWC) and CPU (oneDNN's convolutions do too)"
         ),
     )
+    dropout: float = field(
+        default=0.0,
+        metadata=doc("dropout probability before the classifier, in [0, 1); 0 = no dropout"),
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -261,6 +282,12 @@ class ModelConfig:
             "model.blocks_per_stage",
             self.blocks_per_stage,
             "must be >= 1",
+        )
+        _require(
+            math.isfinite(self.dropout) and 0 <= self.dropout < 1,
+            "model.dropout",
+            self.dropout,
+            "must be in [0, 1)",
         )
 
 
@@ -428,7 +455,8 @@ class CkptConfig:
         default="auto",
         metadata=doc(
             "auto = newest valid checkpoint in run.dir/checkpoints if any, never = start fresh, "
-            "or a path to a checkpoint file"
+            "a path to a checkpoint file, or a directory (a run dir or its checkpoints/ folder) "
+            "whose newest valid checkpoint is taken"
         ),
     )
 
@@ -446,6 +474,7 @@ class CkptConfig:
             self.resume,
             "use auto, never or a checkpoint path",
         )
+        object.__setattr__(self, "resume", os.path.expanduser(self.resume))  # ~ = home
 
 
 @dataclass(frozen=True)

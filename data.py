@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 import distributed
+import faults
 from config import ConfigError, DataConfig
 from distributed import DistInfo
 
@@ -90,7 +91,11 @@ class ImageFiles(Dataset):
         return len(self.folder.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image, label = self.folder[index]  # PIL decode, converted to RGB
+        try:
+            image, label = self.folder[index]  # PIL decode, converted to RGB
+        except Exception as err:  # PIL's truncation error does not name the file
+            path = self.folder.samples[index][0]
+            raise OSError(f"cannot read image {path}: {type(err).__name__}: {err}") from err
         return self.resize(self.to_tensor(image)), label
 
 
@@ -199,7 +204,24 @@ def _imagefolder(cfg: DataConfig) -> DataSplits:
                 "does not exist (set --data.root to the folder holding train/ and val/)"
             )
     train = ImageFiles(root / "train", cfg.image_size)
-    test = ImageFiles(root / "val", cfg.image_size, classes=train.folder.classes)
+    test = ImageFiles(root / "val", cfg.image_size)
+    train_classes, val_classes = train.folder.classes, test.folder.classes
+    if val_classes != train_classes:  # labels are indices into the sorted class folders
+        missing = sorted(set(train_classes) - set(val_classes))
+        extra = sorted(set(val_classes) - set(train_classes))
+        raise ConfigError(
+            f"imagefolder class folders differ between {root / 'train'} {train_classes} and "
+            f"{root / 'val'} {val_classes}: "
+            + "; ".join(
+                part
+                for part in (
+                    missing and f"{root / 'val'} lacks {missing}",
+                    extra and f"{root / 'val'} has {extra}, which {root / 'train'} lacks",
+                )
+                if part
+            )
+            + ". Both need the same class folders (a label is a class's index in sorted order)"
+        )
     mean, std = STATS["imagefolder"]
     return DataSplits(train, test, 3, len(train.folder.classes), mean, std)
 
@@ -248,24 +270,32 @@ _BUILDERS = {
 def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     """Load (and if allowed download) the dataset; one process per node touches the disk first.
 
-    Local rank 0 prepares the files while the others wait at a barrier, then every rank loads.
-    The barrier is called by every rank, also when preparation fails, so a missing dataset
-    fails fast everywhere instead of hanging the other ranks.
+    Local rank 0 prepares the files while the others wait (up to data.prepare_timeout_s, with
+    progress logged), then every rank loads. The wait ends for every rank also when
+    preparation fails, so a missing dataset fails fast everywhere instead of hanging the others.
     """
     builder = _BUILDERS[cfg.dataset]
     prepared: list[DataSplits] = []
-    distributed.run_on_main(
+
+    def prepare() -> None:
+        faults.fire("prepare", "begin", info.rank)
+        prepared.append(builder(cfg))
+
+    # Bounded by data.prepare_timeout_s, not dist.timeout_s: a download may take long.
+    distributed.run_on_node_leaders_bounded(
         info,
-        f"preparing the {cfg.dataset} dataset",
-        lambda: prepared.append(builder(cfg)),
-        per_node=True,
+        f"the {cfg.dataset} dataset to be prepared",
+        prepare,
+        cfg.prepare_timeout_s,
+        "data.prepare_timeout_s",
+        progress_every_s=min(30.0, cfg.prepare_timeout_s / 10),
     )
     splits = prepared[0] if prepared else builder(cfg)
     if cfg.subset:
         if cfg.subset > len(splits.train):
-            raise ValueError(
-                f"--data.subset={cfg.subset} exceeds the {len(splits.train)} "
-                f"training samples of {cfg.dataset}"
+            raise ConfigError(
+                f"data.subset={cfg.subset} exceeds the {len(splits.train)} training samples "  # type: ignore[arg-type]
+                f"of {cfg.dataset} (the dataset's size): use at most that, or 0 for all"
             )
         order = torch.randperm(len(splits.train), generator=torch.Generator().manual_seed(seed))
         splits = DataSplits(
@@ -572,9 +602,10 @@ def build_train_loader(
     dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
     sampler = EpochSampler(dataset, info, seed)
     if len(sampler) < cfg.batch_size:
-        raise ValueError(
-            f"each of the {info.world_size} ranks gets {len(sampler)} training "
-            f"samples, fewer than --data.batch_size={cfg.batch_size}"
+        raise ConfigError(
+            f"data.batch_size={cfg.batch_size} exceeds a rank's shard: each of the "
+            f"{info.world_size} ranks gets {len(sampler)} of the {len(dataset)} training "
+            "samples; lower data.batch_size (or use fewer ranks)"
         )
     base = in_memory(splits.train) if cfg.loader != "dataloader" else None
     if _use_device_path(cfg, base, info.device):

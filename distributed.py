@@ -239,6 +239,75 @@ def run_on_main(info: DistInfo, what: str, fn: Callable[[], None], per_node: boo
     raise_if_any_failed(info, error, what)
 
 
+class PrepareTimeout(PeerError):
+    """Waited longer than the configured bound for other ranks' preparation work."""
+
+
+def run_on_node_leaders_bounded(
+    info: DistInfo,
+    what: str,
+    fn: Callable[[], None],
+    timeout_s: float,
+    setting: str,
+    progress_every_s: float = 30.0,
+) -> None:
+    """Collective: like `run_on_main(per_node=True)`, for work that may outlast dist.timeout_s
+    (a dataset download): local rank 0 of each node runs `fn`, and every rank then waits for
+    all of them up to `timeout_s` (`setting` names that bound in messages), not up to the
+    process group's timeout.
+
+    The wait is an all-reduce of the failure flag on a gloo group whose own timeout is the
+    bound plus a grace, started asynchronously and polled: the waiting ranks log progress,
+    and past the bound fail with a message naming the work and the ranks doing it.
+    """
+    if not _active():
+        run_on_main(info, what, fn, per_node=True)
+        return
+    import socket
+
+    hosts = all_gather_object((info.local_rank, socket.gethostname()))
+    leaders = [r for r, (local_rank, _) in enumerate(hosts) if local_rank == 0]
+    doers = ", ".join(f"rank {r} (local rank 0 on {hosts[r][1]})" for r in leaders)
+    grace = collective_grace_s(timeout_s)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + grace))
+    error: Exception | None = None
+    if info.local_rank == 0:
+        try:
+            fn()
+        except Exception as err:  # re-raised on this rank after the others learn of it
+            error = err
+    flag = torch.tensor([float(error is not None)])
+    work = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    started = time.monotonic()
+    next_report = started + progress_every_s
+    while not work.is_completed():
+        waited = time.monotonic() - started
+        if waited > timeout_s:
+            raise PrepareTimeout(
+                f"rank {info.rank} waited {waited:.0f} s for {what} by {doers}, longer than "
+                f"{setting}={timeout_s:g}: the preparation is too slow (a slow download?) or "
+                f"stuck. Raise {setting}, or prepare the data beforehand"
+            )
+        if time.monotonic() >= next_report:
+            log.warning(
+                "rank %d: still waiting for %s by %s (%.0f s of %s=%g)",
+                info.rank,
+                what,
+                doers,
+                waited,
+                setting,
+                timeout_s,
+            )
+            next_report += progress_every_s
+        time.sleep(0.1)
+    work.wait()
+    num_failed = int(flag.item())
+    if error is not None:
+        raise error
+    if num_failed:
+        raise PeerError(f"{what} failed on {num_failed} other rank(s); see their errors")
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s `obj` on every rank.
 

@@ -9,6 +9,8 @@ TRAIN_FAULTS holds `;`-separated entries `ACTION@POINT[,rank=R][,restart=K]`:
     hang@step=5,rank=1         rank 1 sleeps forever while loading step 6's batches
     nan@step=4,rank=0          rank 0's loss of step 5 becomes NaN
     sigkill@save=renamed       rank 0 SIGKILLs itself at that stage of writing a checkpoint
+    sleep@prepare=begin,seconds=30   local rank 0 of each node takes 30 s longer to prepare the
+                               dataset (a slow download); `seconds` works at any point
 
 Save stages, in order: begin, partial (half the checkpoint bytes written to the temporary
 file), written (temporary file fsynced), renamed (under its final name, no manifest yet),
@@ -22,7 +24,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan")
+ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep")
+POINTS = ("step", "save", "prepare")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Fault:
     value: str  # step number or save stage
     rank: int | None
     restart: int
+    seconds: float = 0.0  # for sleep
 
 
 def parse(spec: str) -> list[Fault]:
@@ -48,12 +52,13 @@ def parse(spec: str) -> list[Fault]:
                 value=value,
                 rank=int(extra["rank"]) if "rank" in extra else None,
                 restart=int(extra.get("restart", 0)),
+                seconds=float(extra.get("seconds", 0)),
             )
         except (ValueError, KeyError):
             raise ValueError(
                 f"TRAIN_FAULTS entry {entry!r} is not ACTION@POINT=V[,rank=R]"
             ) from None
-        if fault.action not in ACTIONS or fault.point not in ("step", "save"):
+        if fault.action not in ACTIONS or fault.point not in POINTS:
             raise ValueError(f"TRAIN_FAULTS entry {entry!r}: unknown action or point")
         faults.append(fault)
     return faults
@@ -82,7 +87,9 @@ def fire(point: str, value: object, rank: int) -> None:
         if fault.action == "hang":
             while True:
                 time.sleep(3600)
-        if fault.action != "nan":
+        if fault.action == "sleep":
+            time.sleep(fault.seconds)
+        elif fault.action != "nan":
             signum = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM}.get(
                 fault.action, signal.SIGUSR2
             )

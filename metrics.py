@@ -280,16 +280,63 @@ class MetricsWriter:
         self.tensorboard = tensorboard
         self._file = None
         self._tb = None
+        # time_s of the last row kept from earlier attempts: a resumed run's time_s goes on
+        # from there instead of restarting at 0 (main rank only; 0 elsewhere).
+        self.time_offset_s = 0.0
 
-    def open(self) -> None:
-        """Open the sinks (main rank only; a no-op elsewhere)."""
+    def open(self, resume_step: int = 0, pending_eval: bool = False) -> None:
+        """Open the sinks (main rank only; a no-op elsewhere), continuing at `resume_step`.
+
+        Rows of earlier attempts past the checkpoint resumed from (step > resume_step) are
+        dropped, so every step is reported once: the resumed run writes them again. With
+        `pending_eval` the checkpoint still owes the evaluation of its own step, so an eval
+        row at that step (from an attempt that evaluated, then died before saving) goes too.
+        TensorBoard drops its events past `resume_step` (purge_step).
+        """
         if not self.enabled:
             return
-        self._file = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        path = self.run_dir / "metrics.jsonl"
+        self._truncate(path, resume_step, pending_eval)
+        self._file = path.open("a", encoding="utf-8")
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # slow import: only on rank 0
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(
+                log_dir=str(self.run_dir / "tensorboard"), purge_step=resume_step + 1
+            )
+
+    def _truncate(self, path: Path, resume_step: int, pending_eval: bool) -> None:
+        """Keep the rows up to the resumed step; rewrite the file atomically if any go."""
+        import checkpoint  # atomic_write_bytes; imported here to keep this module light
+
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        except FileNotFoundError:
+            return
+        kept: list[str] = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+                step = int(row["step"])
+            except (ValueError, KeyError, TypeError):  # e.g. the last line, torn by a kill
+                continue
+            if step > resume_step or (
+                pending_eval and step == resume_step and row.get("kind") == "eval"
+            ):
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+            if isinstance(row.get("time_s"), int | float):
+                self.time_offset_s = float(row["time_s"])
+        if len(kept) == len(lines) and all(line.endswith("\n") for line in lines):
+            return
+        payload = "".join(kept).encode("utf-8")
+        checkpoint.atomic_write_bytes(path, lambda f: f.write(payload))
+        log.info(
+            "metrics.jsonl: kept %d rows up to step %d, dropped %d from after it",
+            len(kept),
+            resume_step,
+            len(lines) - len(kept),
+        )
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:

@@ -66,6 +66,7 @@ class MiniResNet(nn.Module):
         widths: Sequence[int] = (16, 32, 64),
         blocks_per_stage: int = 1,
         norm: Norm = "batch",
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if not widths or min(widths) < 1:
@@ -85,6 +86,8 @@ class MiniResNet(nn.Module):
                 channels = width
         self.stages = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
+        # Before the classifier; an Identity when off, so no random number is drawn then.
+        self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.head = nn.Linear(channels, num_classes)
         self._init_weights()
 
@@ -102,4 +105,4 @@ class MiniResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))
-        return self.head(torch.flatten(self.pool(x), 1))
+        return self.head(self.dropout(torch.flatten(self.pool(x), 1)))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import distributed
+from config import ConfigError
 from distributed import DistInfo
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,11 @@ log = logging.getLogger(__name__)
 MUST_MATCH = ("python", "torch", "cuda", "nccl", "device", "dataset", "config")
 
 
-class PreflightError(RuntimeError):
-    """The ranks of this job disagree about something that must be the same everywhere."""
+class PreflightError(ConfigError):
+    """The ranks of this job disagree about something that must be the same everywhere.
+
+    A bad set-up, not a crash: like any bad input it ends the job with exit code 2 and the
+    message, no traceback."""
 
 
 def describe(info: DistInfo, dataset_fingerprint: str, config_hash: str) -> dict[str, Any]:

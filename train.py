@@ -209,6 +209,7 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
         widths=cfg.model.widths,
         blocks_per_stage=cfg.model.blocks_per_stage,
         norm=cfg.model.norm,
+        dropout=cfg.model.dropout,
     )
     if cfg.model.norm == "syncbatch" and info.world_size > 1:
         if info.device.type != "cuda":
@@ -406,6 +407,13 @@ def resume_position(
             f"checkpoint {path} lacks {', '.join(missing)}: not written by this version of "
             "the pipeline"
         )
+    old_name = state["config"].get("optim", {}).get("name", cfg.optim.name)
+    if old_name != cfg.optim.name:
+        raise ConfigError(
+            f"optim.name={cfg.optim.name!r} cannot resume checkpoint {path}, written with "
+            f"optim.name={old_name!r}: its optimizer state (momentum buffers or Adam moments) "
+            f"does not carry over. Resume with --optim.name={old_name}, or start a new run.dir"
+        )
     pos = Position(state["step"], state["epoch"], state["samples_in_epoch"], state["step_in_epoch"])
     if pos.samples_in_epoch > num_train:
         raise ConfigError(
@@ -472,6 +480,9 @@ def load_states(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     scaler: torch.amp.GradScaler,
 ) -> None:
+    # What this run's config built: loading replaces it with the checkpoint's values.
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -481,10 +492,55 @@ def load_states(
             f"checkpoint {path} does not fit this run's model or optimizer (did model.* or "
             f"optim.name change?): {err}"
         ) from err
+    apply_configured_optimizer(optimizer, scheduler, configured, base_lrs)
     if state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     elif scaler.is_enabled():
         log.warning("checkpoint %s has no fp16 GradScaler state: starting a fresh scaler", path)
+
+
+def apply_configured_optimizer(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    configured: list[dict[str, Any]],
+    base_lrs: list[float],
+) -> None:
+    """Put this run's optimizer settings back after loading a checkpoint's state.
+
+    `optimizer.load_state_dict` restores each group's lr, momentum, weight decay, betas (and
+    the kernel choice), `scheduler.load_state_dict` the peak lrs (`base_lrs`): without this a
+    changed --optim.lr or --optim.weight_decay would be ignored while the new checkpoint's
+    config records it. The step count (`last_epoch`) and the optimizer's per-parameter state
+    (momentum buffers, Adam moments) stay as loaded; the lr becomes this run's schedule at the
+    current step. Changes are logged as checkpoint -> now.
+    """
+    changed: dict[str, tuple[Any, Any]] = {}
+    for group, wanted, base_lr in zip(optimizer.param_groups, configured, base_lrs, strict=True):
+        if group.get("initial_lr") != base_lr:
+            changed.setdefault("peak lr", (group.get("initial_lr"), base_lr))
+        group["initial_lr"] = base_lr
+        for key, value in wanted.items():
+            if key in ("lr", "initial_lr"):
+                continue
+            if group.get(key) != value:
+                changed.setdefault(key, (group.get(key), value))
+            group[key] = value
+    scheduler.base_lrs = list(base_lrs)
+    lrs = [
+        base_lr * lr_lambda(scheduler.last_epoch)
+        for lr_lambda, base_lr in zip(scheduler.lr_lambdas, base_lrs, strict=True)
+    ]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
+    if changed:
+        log.info(
+            "resumed optimizer now uses the configured settings (checkpoint -> now): %s; "
+            "lr at step %d is %.6g",
+            "; ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()),
+            scheduler.last_epoch,
+            lrs[0],
+        )
 
 
 def save_checkpoint(
@@ -789,7 +845,7 @@ def make_loop(
         ),
         preemption=preemption,
         watchdog=resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s),
-        started=time.perf_counter(),
+        started=time.perf_counter() - writer.time_offset_s,  # time_s goes on after a resume
         clock=PhaseClock(info.device),
         stragglers=StragglerReport(
             info, cfg.log.straggler_every_steps if info.world_size > 1 else 0
@@ -803,12 +859,22 @@ def make_loop(
 
 
 def count_flops(job: Job, loop: Loop, info: DistInfo) -> None:
-    """FLOPs per training sample, and (rank 0) the device's peak FLOP/s, for MFU in the logs."""
-    images, labels = next(iter(job.eval_loader))
-    sample, _ = job.preprocess(images[:2], labels[:2])
-    loop.flops_per_sample = flops_per_sample(job.model, sample, job.loss_fn)
+    """FLOPs per training sample, and (rank 0) the device's peak FLOP/s, for MFU in the logs.
+
+    The probe draws random numbers (the matmul operands, the probe model's dropout masks): it
+    runs between the generators' restore from a checkpoint and the first resumed step, so the
+    generators are put back as they were, or resuming would not continue the same run.
+    """
+    saved_rng = resilience.rng_state()
+    try:
+        images, labels = next(iter(job.eval_loader))
+        sample, _ = job.preprocess(images[:2], labels[:2])
+        loop.flops_per_sample = flops_per_sample(job.model, sample, job.loss_fn)
+        if info.is_main:
+            loop.peak_flops = peak_flops(info.device, job.amp_dtype or torch.float32)
+    finally:
+        resilience.set_rng_state(saved_rng)
     if info.is_main:
-        loop.peak_flops = peak_flops(info.device, job.amp_dtype or torch.float32)
         log.info(
             "model: %.3g GFLOP per training sample (forward + backward); peak %.3g TFLOP/s "
             "(%s matmul)",
@@ -873,7 +939,11 @@ def _train(
         cfg.fingerprint(),
     )
     writer = MetricsWriter(run_dir, info.is_main, cfg.log.tensorboard)
-    distributed.run_on_main(info, "opening metrics.jsonl and tensorboard", writer.open)
+    distributed.run_on_main(
+        info,
+        "opening metrics.jsonl and tensorboard",
+        lambda: writer.open(pos.step, job.pending_eval),
+    )
     loop = make_loop(cfg, info, job, writer, preemption)
     result: engine.EvalResult | None = None
     loop.watchdog.start()

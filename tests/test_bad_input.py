@@ -65,6 +65,51 @@ def make_corrupt_fashion_mnist(tmp: Path) -> None:
         (raw / f"{name}-{kind}-ubyte").write_bytes(b"\x00\x00\x08\x7fgarbage" * 8)
 
 
+def make_imagefolder(tmp: Path, val_classes: tuple[str, ...] = ("cats", "dogs")) -> Path:
+    """data/img/{train,val}/<class>/*.png with four small valid images per class."""
+    from PIL import Image
+
+    root = tmp / "data" / "img"
+    for split, classes in (("train", ("cats", "dogs")), ("val", val_classes)):
+        for name in classes:
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (12, 12), (60 * i, 100, 30)).save(folder / f"{i}.png")
+    return root
+
+
+def make_imagefolder_missing_val_class(tmp: Path) -> None:
+    make_imagefolder(tmp, val_classes=("cats",))
+
+
+def make_imagefolder_with_truncated_image(tmp: Path) -> None:
+    """A PNG cut short after its header: it opens, then fails to decode (no path in PIL's
+    'image file is truncated')."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    root = make_imagefolder(tmp)
+    noise = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, "PNG")
+    whole = buffer.getvalue()
+    (root / "train" / "dogs" / "broken.png").write_bytes(whole[: len(whole) * 6 // 10])
+
+
+def make_python_version_differ_on_rank_1(tmp: Path) -> None:
+    """A sitecustomize (on PYTHONPATH) that makes rank 1 report another Python version."""
+    site = tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, platform\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    platform.python_version = lambda: '3.0.1'\n"
+    )
+
+
 @dataclass(frozen=True)
 class Case:
     """One bad input. `{run}`, `{data}`, `{tmp}` and `{toml}` in args and patterns are paths."""
@@ -77,6 +122,8 @@ class Case:
     torchrun: bool = False
     toml: str | None = None  # text of {toml}, written before the run
     prepare: Callable[[Path], None] | None = None
+    exit_code: int | None = None  # the exact status required, where one is (2: bad input)
+    env: tuple[tuple[str, str], ...] = ()  # extra environment variables
 
 
 def world_size_named(n: int) -> str:
@@ -108,9 +155,32 @@ CASES = [
     Case("amp_choice", ("--train.amp=fp8",), "train.amp", "fp8"),
     Case("widths_empty", ("--model.widths=",), patterns=(r"model\.widths\W{1,4}(\(\)|''|empty)",)),
     Case("widths_non_numeric", ("--model.widths=16,x",), "model.widths", "16,x"),
+    Case("dropout_one", ("--model.dropout=1",), "model.dropout", "1.0"),
     Case("grad_accum_zero", ("--train.grad_accum_steps=0",), "train.grad_accum_steps", "0"),
     Case("timeout_zero", ("--dist.timeout_s=0",), "dist.timeout_s", "0"),
-    Case("subset_exceeds_dataset", ("--data.subset=1000",), "data.subset", "1000"),
+    Case(
+        "subset_exceeds_dataset",
+        ("--data.subset=1000",),
+        "data.subset",
+        "1000",
+        patterns=(r"\b256\b",),  # the dataset's size
+        exit_code=2,
+    ),
+    Case(
+        "batch_exceeds_shard",
+        ("--data.batch_size=300",),
+        "data.batch_size",
+        "300",
+        patterns=(r"\b256\b",),  # the shard's size
+        exit_code=2,
+    ),
+    Case(
+        "imagefolder_val_lacks_a_class",
+        ("--data.dataset=imagefolder", "--data.root={data}/img"),
+        patterns=("{data}/img/train", "{data}/img/val", "dogs"),
+        prepare=make_imagefolder_missing_val_class,
+        exit_code=2,
+    ),
     Case(
         "global_batch_not_divisible_by_accum",
         ("--data.global_batch_size=100", "--train.grad_accum_steps=3"),
@@ -179,6 +249,14 @@ CASES = [
         "{tmp}/blocker/run",
         torchrun=True,
         prepare=make_blocker,
+    ),
+    Case(
+        "preflight_mismatch",
+        (),
+        patterns=(r"python differs", r"3\.0\.1", r"exitcode\s*:\s*2\b"),
+        torchrun=True,
+        prepare=make_python_version_differ_on_rank_1,
+        env=(("PYTHONPATH", "{tmp}/site"),),
     ),
     Case(
         "resume_checkpoint_missing",
@@ -269,7 +347,7 @@ class Outcome:
     leftovers: list[str]
 
 
-def launch(cmd: list[str], bound_s: float) -> Outcome:
+def launch(cmd: list[str], bound_s: float, extra_env: dict[str, str] | None = None) -> Outcome:
     """Run `cmd` in a session of its own; kill everything it started if it outlives the bound.
 
     Output goes to a file, not a pipe, so a leaked grandchild holding the pipe open cannot make
@@ -277,6 +355,7 @@ def launch(cmd: list[str], bound_s: float) -> Outcome:
     """
     token = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TOKEN_VAR: token}
+    env.update(extra_env or {})
     with tempfile.TemporaryFile() as out:
         started = time.monotonic()
         proc = subprocess.Popen(
@@ -310,7 +389,11 @@ def changes(before: Snapshot, after: Snapshot) -> list[str]:
 
 
 def assert_failed_cleanly(
-    outcome: Outcome, bound_s: float, patterns: list[str], changed: list[str]
+    outcome: Outcome,
+    bound_s: float,
+    patterns: list[str],
+    changed: list[str],
+    exit_code: int | None = None,
 ) -> None:
     """Every requirement at once, so that one report lists all that a case gets wrong."""
     problems = []
@@ -318,6 +401,10 @@ def assert_failed_cleanly(
         problems.append(f"still running after {outcome.wall_s:.0f} s, killed")
     elif outcome.returncode <= 0:
         problems.append(f"exit status {outcome.returncode}")
+    elif exit_code is not None and outcome.returncode != exit_code:
+        problems.append(f"exit status {outcome.returncode}, not {exit_code}")
+    if re.search(r"^Traceback \(most recent call last\)", outcome.output, re.M) and exit_code:
+        problems.append("a traceback instead of a message")
     if outcome.wall_s > bound_s:
         problems.append(f"took {outcome.wall_s:.1f} s > {bound_s} s")
     missing = [p for p in patterns if not re.search(p, outcome.output)]
@@ -361,9 +448,28 @@ def test_bad_input_fails_fast_with_a_clear_message_and_changes_nothing(
     before = snapshot(tmp_path)
 
     bound_s = TORCHRUN_BOUND_S if case.torchrun else PYTHON_BOUND_S
-    outcome = launch(command(case.torchrun, args), bound_s)
+    env = {key: fill(value, dirs, escape=False) for key, value in case.env}
+    outcome = launch(command(case.torchrun, args), bound_s, env)
 
-    assert_failed_cleanly(outcome, bound_s, patterns, changes(before, snapshot(tmp_path)))
+    changed = changes(before, snapshot(tmp_path))
+    assert_failed_cleanly(outcome, bound_s, patterns, changed, case.exit_code)
+
+
+def test_truncated_image_fails_naming_its_file(tmp_path: Path) -> None:
+    """Found when loaded (checking every image up front would decode the whole dataset): the
+    run stops with exit 2 and the image's path; the dataset is left as it was."""
+    make_imagefolder_with_truncated_image(tmp_path)
+    data = tmp_path / "data"
+    before = snapshot(data)
+    dirs = {"run": tmp_path / "run", "data": data}
+    args = [fill(a, dirs, escape=False) for a in BASE_ARGS]
+    args += [f"--data.root={data / 'img'}", "--data.dataset=imagefolder"]
+    args += ["--data.batch_size=2", "--data.image_size=8"]
+
+    outcome = launch(command(False, args), PYTHON_BOUND_S)
+
+    patterns = [re.escape(str(data / "img" / "train" / "dogs" / "broken.png"))]
+    assert_failed_cleanly(outcome, PYTHON_BOUND_S, patterns, changes(before, snapshot(data)), 2)
 
 
 @pytest.fixture
@@ -411,6 +517,36 @@ def test_full_run_dir_fails_naming_it_and_keeps_existing_files(full_tmpfs: Path)
 
     patterns = [re.escape(str(run_dir)), r"No space left|ENOSPC|Errno 28"]
     assert_failed_cleanly(outcome, PYTHON_BOUND_S, patterns, changes(before, snapshot(full_tmpfs)))
+
+
+@pytest.mark.slow
+def test_disk_filling_during_a_checkpoint_save_names_it_and_keeps_older_ones(
+    full_tmpfs: Path,
+) -> None:
+    """The disk has room to start (config, metrics) but fills while torch.save writes the next
+    checkpoint: exit 2 naming that checkpoint and the full disk; the earlier checkpoint, its
+    manifest and best.json stay exactly as they were, and no partial file is left."""
+    run_dir = full_tmpfs / "run"
+    dirs = {"run": run_dir, "data": full_tmpfs.parent / "data"}  # synthetic: never read
+    args = [fill(a, dirs, escape=False) for a in BASE_ARGS]
+    first = launch(command(False, [*args, "--train.max_steps=2"]), PYTHON_BOUND_S)
+    assert first.returncode == 0, first.output[-3000:]
+    checkpoints = run_dir / "checkpoints"
+    size = (checkpoints / "step_2.pt").stat().st_size
+    assert size > 48 * 1024  # the next one (the same size) cannot fit in what is left free
+    fill_up(full_tmpfs)
+    filler = full_tmpfs / "filler"
+    # Room for config.json and the metrics rows, not for the checkpoint's first record (its
+    # 16 KB pickle, larger than the file's buffer: written straight through inside torch.save,
+    # which reports ENOSPC as "enforce fail at inline_container.cc").
+    os.truncate(filler, filler.stat().st_size - 8 * 1024)
+    before = snapshot(checkpoints)
+
+    outcome = launch(command(False, args), PYTHON_BOUND_S)  # resumes at 2, saves at 8
+
+    patterns = [re.escape(str(checkpoints / "step_8.pt")), r"(?i)no space left"]
+    changed = changes(before, snapshot(checkpoints))
+    assert_failed_cleanly(outcome, PYTHON_BOUND_S, patterns, changed, exit_code=2)
 
 
 def test_harness_sees_a_process_that_escaped_into_its_own_session() -> None:

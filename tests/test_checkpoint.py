@@ -371,3 +371,27 @@ def test_a_non_finite_model_is_never_checkpointed(tmp_path, bad) -> None:
     huge = state_of(objs, 5)
     huge["model"]["head.bias"] = torch.full((10,), 3e38)  # finite, but its norm overflows
     checkpoint.save(huge, tmp_path, step=5, keep=2, accuracy=None)
+
+
+@pytest.mark.parametrize("given", ["run_dir", "checkpoints_dir"])
+def test_resume_from_a_directory_takes_its_newest_usable_checkpoint(tmp_path, given) -> None:
+    other = tmp_path / "other_run"
+    directory = checkpoint.checkpoint_dir(other)
+    for step in (3, 6, 9):
+        state = {"model": {"w": torch.full((4,), float(step))}, "step": step}
+        checkpoint.save(state, directory, step=step, keep=5, accuracy=None)
+    (directory / "step_9.pt").write_bytes(b"torn")  # the newest does not load: skipped
+    resume = str(other if given == "run_dir" else directory)
+    path, state = checkpoint.load_for_resume(resume, tmp_path / "this_run", CPU)
+    assert path == directory / "step_6.pt" and state["step"] == 6
+    assert torch.equal(state["model"]["w"], torch.full((4,), 6.0))
+    # This run's own directory given explicitly: its later (unloadable) checkpoint is the one
+    # that was skipped, as with auto, not another run's history.
+    checkpoint.refuse_later_checkpoints(other, 6, resume)
+    with pytest.raises(checkpoint.CheckpointError, match=r"steps \[9\]"):
+        checkpoint.refuse_later_checkpoints(other, 6, str(directory / "step_6.pt"))
+
+
+def test_resume_from_a_directory_without_checkpoints_says_so(tmp_path) -> None:
+    with pytest.raises(checkpoint.CheckpointError, match=f"no checkpoint in {tmp_path}"):
+        checkpoint.load_for_resume(str(tmp_path), tmp_path / "run", CPU)

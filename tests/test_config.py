@@ -156,3 +156,12 @@ def test_config_round_trips_through_json() -> None:
     loaded = json.loads(cfg.to_json())
     assert loaded["model"]["widths"] == [8, 16]
     assert cfg.fingerprint() != Config().fingerprint()
+
+
+def test_home_directory_is_expanded_in_paths(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_args(["--run.dir=~/runs/a", "--data.root=~/data", "--ckpt.resume=~/c/step_3.pt"])
+    assert cfg.run.dir == f"{tmp_path}/runs/a"
+    assert cfg.data.root == f"{tmp_path}/data"
+    assert cfg.ckpt.resume == f"{tmp_path}/c/step_3.pt"
+    assert parse_args(["--ckpt.resume=auto"]).ckpt.resume == "auto"

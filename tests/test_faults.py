@@ -9,13 +9,17 @@ only in the first attempt of a torchrun job.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -156,6 +160,122 @@ def test_preempted_run_resumes_exactly(tmp_path, reference_1, stop_after) -> Non
     assert [r["step"] for r in eval_rows(run_dir)] == [r["step"] for r in eval_rows(reference_1)]
 
 
+def test_preempted_run_with_dropout_resumes_exactly(tmp_path, reference_1) -> None:
+    """Training draws random numbers (dropout masks): nothing may draw from the generators
+    between their restore and the first resumed step (the start-up FLOP probe did)."""
+    reference = tmp_path / "reference"
+    assert launch(reference, 1, "--model.dropout=0.3").returncode == 0
+    ref_state = final_state(reference)
+    # Dropout really changed the training (else this test would prove nothing).
+    assert not torch.equal(
+        ref_state["model"]["head.weight"], final_state(reference_1)["model"]["head.weight"]
+    )
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 1, "--model.dropout=0.3", faults="sigterm@step=3")
+    assert first.returncode == 75, first.output[-3000:]
+    second = launch(run_dir, 1, "--model.dropout=0.3")
+    assert second.returncode == 0, second.output[-3000:]
+    assert "GFLOP per training sample" in second.output  # the probe ran in the resumed run
+    assert_same_training_state(final_state(run_dir), ref_state)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def rewrite_checkpoint(path: Path, state: dict) -> None:
+    """Replace a checkpoint and its manifest (size and CRC-32 of the new bytes)."""
+    torch.save(state, path)
+    payload = path.read_bytes()
+    manifest = {"file": path.name, "bytes": len(payload), "crc32": f"{zlib.crc32(payload):08x}"}
+    manifest["step"] = state["step"]
+    path.with_name(path.stem + ".manifest.json").write_text(json.dumps(manifest) + "\n")
+
+
+def test_resume_applies_the_optimizer_settings_of_the_command_line(tmp_path) -> None:
+    """A resumed run trains with the lr and weight decay it is given, not the checkpoint's.
+
+    Reference: the same checkpoint edited by hand to hold the new values (peak lr, group lr
+    and weight decay, the scheduler's base lrs, the config), resumed with the same command;
+    and the lr logged at every resumed step, computed here from the schedule's formula."""
+    new_lr, new_wd, stop = 0.05, 0.002, 4
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 1, faults=f"sigterm@step={stop - 1}")
+    assert first.returncode == 75, first.output[-3000:]
+    before = tree_digest(run_dir)
+
+    # A change that cannot be applied is refused before any step, changing nothing.
+    refused = launch(run_dir, 1, "--optim.name=adamw")
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert "optim.name" in refused.output and "'sgd'" in refused.output, refused.output[-3000:]
+    assert "adamw" in refused.output
+    assert tree_digest(run_dir) == before
+
+    reference = tmp_path / "reference"
+    shutil.copytree(run_dir, reference)
+    ckpt = reference / "checkpoints" / f"step_{stop}.pt"
+    state = torch.load(ckpt, weights_only=True)
+    factor = state["optimizer"]["param_groups"][0]["lr"] / 0.2  # the schedule's, at `stop`
+    for group in state["optimizer"]["param_groups"]:
+        group["initial_lr"], group["lr"] = new_lr, new_lr * factor
+        if group["weight_decay"]:
+            group["weight_decay"] = new_wd
+    state["scheduler"]["base_lrs"] = [new_lr] * len(state["scheduler"]["base_lrs"])
+    state["scheduler"]["_last_lr"] = [new_lr * factor] * len(state["scheduler"]["base_lrs"])
+    state["config"]["optim"].update(lr=new_lr, weight_decay=new_wd)
+    rewrite_checkpoint(ckpt, state)
+
+    args = (f"--optim.lr={new_lr}", f"--optim.weight_decay={new_wd}")
+    expected = launch(reference, 1, *args)
+    assert expected.returncode == 0, expected.output[-3000:]
+    resumed = launch(run_dir, 1, *args)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    applied = [line for line in resumed.output.splitlines() if "optimizer now uses" in line]
+    assert applied and "peak lr 0.2 -> 0.05" in applied[0], resumed.output[-3000:]
+    assert "weight_decay 0.0005 -> 0.002" in applied[0]
+    assert_same_training_state(final_state(run_dir), final_state(reference))
+    final = final_state(run_dir)
+    assert final["config"]["optim"]["lr"] == new_lr
+    assert [g["weight_decay"] for g in final["optimizer"]["param_groups"]] == [new_wd, 0.0]
+
+    # The lr logged after step s is the one step s + 1 uses: new_lr x the warmup-cosine factor.
+    warmup, total = 2, EPOCHS * 7
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["lr"] for r in rows if r["kind"] == "train" and r["step"] > stop}
+    assert sorted(logged) == list(range(stop + 1, total + 1))
+    for step, lr in logged.items():
+        progress = min(1.0, (step - warmup) / (total - warmup - 1))
+        assert lr == pytest.approx(new_lr * 0.5 * (1 + math.cos(math.pi * progress)), abs=1e-12)
+
+
+def test_metrics_hold_each_step_once_across_preemptions_and_kills(tmp_path, reference_1) -> None:
+    """Preempted at the end of epoch 0 (its evaluation owed), killed after evaluating but
+    before saving, killed again two steps after a checkpoint, then finished: metrics.jsonl
+    lists the same rows as an uninterrupted run, and time_s never goes back."""
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, 1, faults="sigterm@step=6")
+    assert first.returncode == 75, first.output[-3000:]
+    second = launch(run_dir, 1, faults="sigkill@save=begin")  # evaluates step 7, then dies
+    assert second.returncode == -signal.SIGKILL, second.output[-3000:]
+    third = launch(run_dir, 1, "--ckpt.every_steps=2", faults="sigkill@step=9")
+    assert third.returncode == -signal.SIGKILL, third.output[-3000:]
+    assert final_state(run_dir)["step"] == 8  # steps 9's row is past the checkpoint
+    last = launch(run_dir, 1)
+    assert last.returncode == 0, last.output[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = [
+        json.loads(line) for line in (reference_1 / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [(r["kind"], r["step"]) for r in rows] == [(r["kind"], r["step"]) for r in ref_rows]
+    times = [r["time_s"] for r in rows]
+    assert times == sorted(times), times
+    assert_same_training_state(final_state(run_dir), final_state(reference_1))
+
+
 def test_configurable_signal_sigusr2_preempts(tmp_path, reference_1) -> None:
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, "--run.preempt_signals=SIGUSR2", faults="sigusr2@step=3")
@@ -257,6 +377,40 @@ def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path,
         resumed = launch(run_dir, 2, "--train.epochs=40", f"--train.max_steps={stopped + 1}")
         assert resumed.returncode == 0, resumed.output[-3000:]
         assert f"at step {stopped} " in resumed.output
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset preparation slower than the collective timeout
+
+
+def test_slow_dataset_preparation_outlasts_the_collective_timeout(tmp_path) -> None:
+    """Rank 0 prepares for 14 s; a collective would time out after 4 + 5 s (dist.timeout_s +
+    grace); the other rank waits under data.prepare_timeout_s instead, and the run trains."""
+    proc = launch(
+        tmp_path / "run",
+        2,
+        "--dist.timeout_s=4",
+        "--data.prepare_timeout_s=120",
+        "--train.max_steps=2",
+        faults="sleep@prepare=begin,rank=0,seconds=14",
+    )
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "waiting for the synthetic dataset" in proc.output  # progress was logged
+
+
+def test_dataset_preparation_past_its_bound_fails_naming_dataset_and_rank(tmp_path) -> None:
+    started = time.monotonic()
+    proc = launch(
+        tmp_path / "run",
+        2,
+        "--dist.timeout_s=60",
+        "--data.prepare_timeout_s=6",
+        faults="sleep@prepare=begin,rank=0,seconds=100",
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 60, proc.output[-4000:]  # the bound, not a timeout
+    for expected in ("data.prepare_timeout_s=6", "synthetic dataset", "rank 0"):
+        assert expected in proc.output, (expected, proc.output[-4000:])
 
 
 # ---------------------------------------------------------------------------------------------
