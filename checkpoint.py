@@ -63,11 +63,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: bool = True) -> None:
-    """Call `write(file)` on a temporary file next to `path`, then fsync and rename it.
+def write_temporary(path: Path, write: Callable[[BinaryIO], Any]) -> Path:
+    """Call `write(file)` on a temporary file next to `path` and fsync it; return its path.
 
-    `sync_dir=False` leaves the directory's fsync to a later atomic write in the same
-    directory (one directory fsync makes every rename before it durable).
+    A failed write removes the temporary file and raises an OSError naming `path`.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -75,7 +74,6 @@ def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: b
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as err:  # e.g. a full disk: flush() alone would not say which file
         tmp.unlink(missing_ok=True)
         raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
@@ -90,6 +88,21 @@ def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: b
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return tmp
+
+
+def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: bool = True) -> None:
+    """Call `write(file)` on a temporary file next to `path`, then fsync and rename it.
+
+    `sync_dir=False` leaves the directory's fsync to a later atomic write in the same
+    directory (one directory fsync makes every rename before it durable).
+    """
+    tmp = write_temporary(path, write)
+    try:
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
     if sync_dir:
         _fsync_dir(path.parent)
 
@@ -203,18 +216,7 @@ def save(
     # renamed over the old ones, and only then does the manifest proper change. At every
     # point the file under the final name matches one of the two manifests.
     replacing = path.exists() or manifest_path(path).exists()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as err:  # e.g. a full disk: say which checkpoint
-        tmp.unlink(missing_ok=True)
-        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    tmp = write_temporary(path, write)
     # Verified before any manifest vouches for it: complete (the size on disk is what was
     # written, after fsync) and checksummed from the very bytes torch.save produced. Reading it
     # back now would only read the page cache, not the disk, at the cost of a second pass.

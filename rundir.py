@@ -109,10 +109,14 @@ class Lease:
         except FileExistsError:
             self._take_over(_read_json(self.path))
         else:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.mine) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(self.mine) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as err:  # a full disk, say: leave nothing behind, name the file
+                self.path.unlink(missing_ok=True)
+                raise OSError(err.errno, f"cannot write {self.path}: {err.strerror}") from err
         self._thread = threading.Thread(target=self._beat, name="run-dir-lease", daemon=True)
         self._thread.start()
 
