@@ -75,6 +75,13 @@ class SlurmCluster:
                 raise TimeoutError(f"job {job_id} not in {states} after {timeout} s: {job}")
             time.sleep(0.5)
 
+    def wait_for_node(self, node: str, state: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (found := self.ctl("sinfo", "-h", "-n", node, "-o", "%T").strip()) != state:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{node} is {found}, not {state}, after {timeout} s")
+            time.sleep(0.5)
+
     def wait_until_over(self, job_id: int, timeout: float) -> dict[str, str]:
         """Wait until the job is over for good, ending Slurm's requeue hold at once.
 

@@ -52,9 +52,10 @@ COMMON = [
 ]
 # Loader worker processes, so that Slurm's signals reach those too.
 JOB = [*COMMON, "--data.loader=dataloader", "--data.num_workers=1", "--dist.preflight=false"]
-# Long enough (tens of seconds of training) to still run when a time-limit signal comes: Slurm
-# checks time limits every 30 s. The preflight table names each rank's host.
-LONG_JOB = [*COMMON, "--data.num_workers=0", "--train.epochs=8"]
+# Long enough (about a minute of training on 2 cores) to still run when a time-limit signal
+# comes: Slurm checks time limits every 30 s. The preflight table names each rank's host.
+LONG_EPOCHS = 24
+LONG_JOB = [*COMMON, "--data.num_workers=0", f"--train.epochs={LONG_EPOCHS}"]
 ENV = {
     "NPROC_PER_NODE": "1",
     "OMP_NUM_THREADS": "1",
@@ -169,7 +170,7 @@ def test_a_job_runs_to_completion_with_ranks_on_both_nodes(long_reference) -> No
     ranks = dict(re.findall(r"rank (\d+) = (\S+) local rank \d+", log))
     assert ranks == {"0": "node1", "1": "node2"}, log[-3000:]
     assert "train.sbatch: " in log and "finished" in log
-    assert epoch_digests(run_dir) == {e: expected_digest(e, N_TRAIN) for e in range(8)}
+    assert epoch_digests(run_dir) == {e: expected_digest(e, N_TRAIN) for e in range(LONG_EPOCHS)}
 
 
 @pytest.mark.parametrize(
@@ -238,7 +239,7 @@ def test_time_limit_signal_checkpoints_requeues_and_ends_exact(
     assert "SIGUSR2: asking the workers to checkpoint" in log
     assert "preempted by SIG" in log and "requeueing job" in log
     assert "TIME LIMIT" not in log  # requeued before the limit, not killed at it
-    assert_ends_like(tmp_path / "run", long_reference[0], 8)
+    assert_ends_like(tmp_path / "run", long_reference[0], LONG_EPOCHS)
 
 
 def test_node_failure_requeues_and_ends_exact(cluster, reference, tmp_path) -> None:
@@ -260,8 +261,13 @@ def test_node_failure_requeues_and_ends_exact(cluster, reference, tmp_path) -> N
     assert node.startswith("down"), node
     job = cluster.wait_for(job_id, {"PENDING", *FINAL_STATES}, timeout=90)
     assert job["JobState"] == "PENDING" and job["Restarts"] == "1", job
+    # The node stays down a little, as a rebooting machine would: a node back within a second
+    # of being marked DOWN, with the job relaunched on it at once, was seen to leave the new
+    # run's srun waiting forever ("step creation temporarily disabled").
+    time.sleep(10)
     revive = cluster.script("revive", "2")
     assert revive.returncode == 0, revive.stderr
+    cluster.wait_for_node("node2", "idle", timeout=30)
     job = run_to_end(cluster, job_id, tmp_path)
     log = (tmp_path / "job.out").read_text()
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
