@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install what this project needs, idempotently: Fashion-MNIST from Debian (when root and
-# missing), uv, and the locked Python environment in .venv (uv.lock: the same versions on
+# Install what this project needs, idempotently: Fashion-MNIST and Slurm from Debian (when root
+# and missing), uv, and the locked Python environment in .venv (uv.lock: the same versions on
 # every node). Safe to run again; each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,6 +15,29 @@ if [[ ! -d /usr/share/datasets/fashion-mnist ]]; then
   else
     say "Fashion-MNIST is not in /usr/share/datasets/fashion-mnist and this is not a root" \
         "Debian shell: train.py will download it into --data.root instead"
+  fi
+fi
+
+# Slurm (22.05 on Debian 12) for the test cluster of scripts/slurm/test_cluster.sh. Its daemons
+# are started by that script only: stop whatever the packages' init scripts may have started
+# (on a machine without systemd, usually nothing), so no system-wide Slurm or munge is left.
+slurm_packages=(slurmctld slurmd slurm-client munge)
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
+   || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    say "installing Debian's ${slurm_packages[*]} (the test Slurm cluster)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${slurm_packages[@]}" >/dev/null
+    for service in slurmctld slurmd munge; do
+      if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then
+        systemctl disable --now "$service" >/dev/null 2>&1 || true
+      elif [[ -x /etc/init.d/$service ]]; then
+        /etc/init.d/"$service" stop >/dev/null 2>&1 || true
+      fi
+    done
+  else
+    say "Slurm is not installed and this is not a root Debian shell: the Slurm tests skip"
   fi
 fi
 

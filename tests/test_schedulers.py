@@ -1,7 +1,9 @@
 """Cluster-scheduler files: the Slurm batch script and the Kubeflow PyTorchJob manifest.
 
 No cluster is needed: the batch script runs under bash with fake `scontrol` and `srun` first on
-PATH, and the manifest is checked as parsed YAML.
+PATH, and the manifest is checked as parsed YAML. Only what a real cluster cannot show cheaply
+is tested here (argument quoting, the port formula, exit codes the training side does not yet
+produce, the requeue limit); tests/multinode/test_slurm.py submits train.sbatch to a real Slurm.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ fi
 
 # Records its arguments (NUL-separated) and the rendezvous environment. FAKE_SRUN_MODE=exec runs
 # the task command once per node with that node's SLURM_NODEID, as srun would; =sleep waits to be
-# killed. Otherwise it runs nothing.
+# killed, or on SIGUSR2 exits with FAKE_SRUN_STATUS (75: the workers checkpointed). Otherwise it
+# runs nothing and exits FAKE_SRUN_STATUS (0).
 FAKE_SRUN = """#!/usr/bin/env bash
 printf '%s\\0' "$@" > "$FAKE_LOG/srun.args"
 for v in NNODES MASTER_ADDR MASTER_PORT JOB_ID RUN_DIR; do
@@ -48,11 +51,12 @@ case "${FAKE_SRUN_MODE:-record}" in
   exec)
     while [[ "$1" == --* ]]; do shift; done  # srun's own options
     for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node "$@" || exit; done ;;
-  sleep)  # a job step whose tasks checkpoint and exit 75 when srun forwards SIGUSR2
-    trap 'echo USR2 > "$FAKE_LOG/srun.usr2"; exit 75' USR2
+  sleep)  # a job step whose tasks stop when srun forwards SIGUSR2
+    trap 'echo USR2 > "$FAKE_LOG/srun.usr2"; exit "${FAKE_SRUN_STATUS:-75}"' USR2
     echo $$ > "$FAKE_LOG/srun.pid"
     for ((i = 0; i < 600; i++)); do sleep 0.1; done ;;
 esac
+exit "${FAKE_SRUN_STATUS:-0}"
 """
 
 # Stands in for scripts/launch_multinode.sh in the submit directory for FAKE_SRUN_MODE=exec.
@@ -80,6 +84,7 @@ def slurm(tmp_path: Path) -> dict[str, str]:
         "HOME": str(tmp_path),
         "FAKE_LOG": str(log),
         "SLURM_JOB_ID": "123457",
+        "SLURM_CLUSTER_NAME": "gpu",
         "SLURM_JOB_NODELIST": "gpu-node-[17-18]",
         "SLURM_NNODES": "2",
         "SLURM_NODEID": "0",
@@ -118,7 +123,9 @@ def test_sbatch_directives() -> None:
     directives = _directives()
     assert int(directives["--nodes"]) >= 2
     assert directives["--ntasks-per-node"] == "1"
-    assert int(directives["--gpus-per-node"]) >= 1
+    # sbatch refuses a GPU request on a partition without GPUs, and a CPU request larger than
+    # the nodes' leaves the job pending forever: both are asked for at submission, not here.
+    assert not {"--gpus-per-node", "--gpus", "--gres", "--cpus-per-task"} & directives.keys()
     signal_spec = re.fullmatch(r"B:USR2@(\d+)", directives["--signal"])
     assert signal_spec and int(signal_spec.group(1)) >= 60, directives["--signal"]
     assert "--requeue" in directives
@@ -135,7 +142,7 @@ def test_sbatch_sets_rendezvous_and_passes_args(slurm: dict[str, str]) -> None:
     assert result.returncode == 0, result.stderr
     log = Path(slurm["FAKE_LOG"])
     env = _read_env(log / "srun.env")
-    run_dir = f"{slurm['SLURM_SUBMIT_DIR']}/runs/slurm-123457"
+    run_dir = f"{slurm['SLURM_SUBMIT_DIR']}/runs/slurm-gpu-123457"
     assert env == {
         "NNODES": "2",
         "MASTER_ADDR": HOSTS[0],
@@ -173,7 +180,7 @@ def test_sbatch_each_node_gets_its_rank_and_the_args(slurm: dict[str, str]) -> N
     """Run srun's task command per node: NODE_RANK must come from each task's SLURM_NODEID."""
     result = _run_sbatch({**slurm, "FAKE_SRUN_MODE": "exec"}, *PASSTHROUGH)
     assert result.returncode == 0, result.stderr
-    run_dir = f"{slurm['SLURM_SUBMIT_DIR']}/runs/slurm-123457"
+    run_dir = f"{slurm['SLURM_SUBMIT_DIR']}/runs/slurm-gpu-123457"
     for node in (0, 1):
         launched = _read_nul(Path(slurm["FAKE_LOG"]) / f"launch.{node}.args")
         assert launched == [f"--run.dir={run_dir}", *PASSTHROUGH]
@@ -187,13 +194,15 @@ def test_sbatch_without_slurm_job_fails(slurm: dict[str, str]) -> None:
     assert not (Path(slurm["FAKE_LOG"]) / "srun.args").exists()
 
 
-def test_sbatch_requeues_on_usr2(slurm: dict[str, str]) -> None:
+def _usr2_during_step(slurm: dict[str, str], step_status: int) -> tuple[int, str, list[str]]:
+    """SIGUSR2 to the batch shell while its (fake) job step runs; the step then exits
+    `step_status`. Returns the batch shell's exit status, its output and scontrol's calls."""
     log = Path(slurm["FAKE_LOG"])
     # Output to a file, not a pipe: the fake srun must not keep the test waiting on its end.
     with open(log / "batch.out", "w") as out:
         proc = subprocess.Popen(
             ["bash", str(SBATCH), "--train.epochs=3"],
-            env={**slurm, "FAKE_SRUN_MODE": "sleep"},
+            env={**slurm, "FAKE_SRUN_MODE": "sleep", "FAKE_SRUN_STATUS": str(step_status)},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -214,21 +223,73 @@ def test_sbatch_requeues_on_usr2(slurm: dict[str, str]) -> None:
             pid = int((log / "srun.pid").read_text())
             if b"srun" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGKILL)
-    stderr = (log / "batch.out").read_text()
-    calls = (log / "scontrol.log").read_text().splitlines()
-    # The signal went on to the job step (whose workers checkpoint), the batch shell survived
-    # it, waited for srun to end, then requeued and exited with srun's status: 75, preempted.
-    assert (log / "srun.usr2").read_text().strip() == "USR2", stderr
-    assert calls[-1] == "requeue 123457", stderr
-    assert "requeueing job 123457" in stderr
-    assert proc.returncode == 75, stderr
+    output = (log / "batch.out").read_text()
+    assert (log / "srun.usr2").read_text().strip() == "USR2", output  # forwarded to the step
+    return proc.returncode, output, (log / "scontrol.log").read_text().splitlines()
+
+
+@pytest.mark.parametrize("step_status", [75, 1, 137])
+def test_sbatch_requeues_after_usr2_unless_final(slurm: dict[str, str], step_status: int) -> None:
+    """Near the time limit the job is requeued whether or not the workers managed to checkpoint
+    (75): otherwise the limit kills it and the newest periodic checkpoint is lost to it."""
+    returncode, output, calls = _usr2_during_step(slurm, step_status)
+    assert calls[-1] == "requeue 123457", output
+    assert "requeueing job 123457" in output
+    assert returncode == step_status, output
+
+
+@pytest.mark.parametrize("step_status", [2, 76, 0])
+def test_sbatch_does_not_requeue_a_final_status_after_usr2(
+    slurm: dict[str, str], step_status: int
+) -> None:
+    """2 (bad input) and 76 (crash loop) would fail the same way again; 0 is done."""
+    returncode, output, calls = _usr2_during_step(slurm, step_status)
+    assert not any(call.startswith("requeue") for call in calls), output
+    assert returncode == step_status, output
+
+
+@pytest.mark.parametrize(
+    ("step_status", "requeued", "message"),
+    [
+        (75, True, "requeueing job 123457"),
+        (76, False, "crash loop, restarts made no progress: not requeueing"),
+        (2, False, "bad input, retrying cannot help: not requeueing"),
+        (1, False, "exit 1: failed"),
+    ],
+)
+def test_sbatch_step_status_decides_requeue(
+    slurm: dict[str, str], step_status: int, requeued: bool, message: str
+) -> None:
+    """Without SIGUSR2 to the batch shell: only a preempted step (75) is requeued. 76 is the
+    training side's "crash loop, no progress" code, which no real run produces yet."""
+    result = _run_sbatch({**slurm, "FAKE_SRUN_STATUS": str(step_status)})
+    calls = (Path(slurm["FAKE_LOG"]) / "scontrol.log").read_text().splitlines()
+    assert ("requeue 123457" in calls) == requeued, result.stderr
+    assert message in result.stderr
+    assert result.returncode == step_status
+
+
+def test_sbatch_refuses_a_default_run_dir_of_an_earlier_job(slurm: dict[str, str]) -> None:
+    """Job ids restart with a new cluster: a first start must not resume another job's run."""
+    stale = Path(slurm["SLURM_SUBMIT_DIR"]) / "runs" / "slurm-gpu-123457"
+    stale.mkdir(parents=True)
+    result = _run_sbatch(slurm)
+    assert result.returncode == 2
+    assert "already exists" in result.stderr and "RUN_DIR=" in result.stderr
+    assert not (Path(slurm["FAKE_LOG"]) / "srun.args").exists()
+    # A requeued run of this job (SLURM_RESTART_COUNT >= 1) is what the directory is for.
+    result = _run_sbatch({**slurm, "SLURM_RESTART_COUNT": "1"})
+    assert result.returncode == 0, result.stderr
+    args = _read_nul(Path(slurm["FAKE_LOG"]) / "srun.args")
+    assert f"--run.dir={stale}" in args
 
 
 def test_sbatch_requeue_limit(slurm: dict[str, str]) -> None:
     """After MAX_REQUEUES requeues the signal is logged but the job is not requeued again."""
     # Define just the handler (sed cuts it out of the script), then call it.
     script = f"source <(sed -n '/^requeue_now()/,/^}}/p' {shlex.quote(str(SBATCH))}); requeue_now"
-    env = {**slurm, "SLURM_RESTART_COUNT": "5", "MAX_REQUEUES": "5"}
+    env = {**slurm, "MAX_REQUEUES": "5"}
+    script = f"restarts=5; {script}"
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "not requeueing" in result.stderr
