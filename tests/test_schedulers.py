@@ -284,16 +284,18 @@ def test_sbatch_refuses_a_default_run_dir_of_an_earlier_job(slurm: dict[str, str
     assert f"--run.dir={stale}" in args
 
 
-def test_sbatch_requeue_limit(slurm: dict[str, str]) -> None:
-    """After MAX_REQUEUES requeues the signal is logged but the job is not requeued again."""
+@pytest.mark.parametrize(("how", "requeued"), [("capped", False), ("", True)])
+def test_sbatch_requeue_limit(slurm: dict[str, str], how: str, requeued: bool) -> None:
+    """After MAX_REQUEUES requeues a failure is not requeued again; a preemption (75, progress
+    saved) always is."""
     # Define just the handler (sed cuts it out of the script), then call it.
-    script = f"source <(sed -n '/^requeue_now()/,/^}}/p' {shlex.quote(str(SBATCH))}); requeue_now"
+    handler = f"source <(sed -n '/^requeue_now()/,/^}}/p' {shlex.quote(str(SBATCH))})"
     env = {**slurm, "MAX_REQUEUES": "5"}
-    script = f"restarts=5; {script}"
+    script = f"restarts=5; {handler}; requeue_now {how}"
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert "not requeueing" in result.stderr
-    assert not (Path(slurm["FAKE_LOG"]) / "scontrol.log").exists()
+    assert ("not requeueing" in result.stderr) != requeued
+    assert (Path(slurm["FAKE_LOG"]) / "scontrol.log").exists() == requeued
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------
