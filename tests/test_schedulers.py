@@ -325,6 +325,7 @@ def test_pytorchjob_manifest() -> None:
     command = container["command"]
     # torchrun (not plain python) reads the operator's PET_* rendezvous settings.
     launcher = command.index("torch.distributed.run")
+    assert command[1:3] == ["scripts/supervise.py", "--"]  # exit 75 / 76 for the pod
     assert command[launcher - 1] == "-m" and command[0].endswith("python")
     assert launcher < command.index("train.py")
 
