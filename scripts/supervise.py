@@ -225,4 +225,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Exit at once, handlers still in place: a stop signal during the interpreter's shutdown
+    # (srun's --kill-on-bad-exit SIGTERM when another node exited 75 first) would find the
+    # default action restored and turn this 75 into 'killed by SIGTERM'.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

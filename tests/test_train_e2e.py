@@ -173,6 +173,14 @@ def test_launch_multinode_script_validates_its_environment() -> None:
     env.update(MASTER_ADDR="10.0.0.1", NNODES="2", NODE_RANK="5", NPROC_PER_NODE="2")
     proc = launch(env)
     assert proc.returncode != 0 and "NODE_RANK=5" in proc.stderr
+    # torchrun's own words for the process count are accepted (PYTHON=true: a dry run).
+    env.update(NODE_RANK="1", RDZV_CHECK="0", PYTHON="true")
+    for nproc in ("gpu", "cpu", "auto", "3"):
+        proc = launch({**env, "NPROC_PER_NODE": nproc})
+        assert proc.returncode == 0, proc.stderr
+        assert f"--nproc-per-node={nproc}" in proc.stdout
+    proc = launch({**env, "NPROC_PER_NODE": "two"})
+    assert proc.returncode == 2 and "NPROC_PER_NODE=two" in proc.stderr
 
 
 @pytest.mark.slow
