@@ -52,9 +52,9 @@ COMMON = [
 ]
 # Loader worker processes, so that Slurm's signals reach those too.
 JOB = [*COMMON, "--data.loader=dataloader", "--data.num_workers=1", "--dist.preflight=false"]
-# Long enough (about a minute of training on 2 cores) to still run when a time-limit signal
+# Long enough (over a minute of training on 2 cores) to still run when a time-limit signal
 # comes: Slurm checks time limits every 30 s. The preflight table names each rank's host.
-LONG_EPOCHS = 24
+LONG_EPOCHS = 36
 LONG_JOB = [*COMMON, "--data.num_workers=0", f"--train.epochs={LONG_EPOCHS}"]
 ENV = {
     "NPROC_PER_NODE": "1",
@@ -223,10 +223,11 @@ def test_scancel_then_resubmit_ends_exact(cluster, reference, tmp_path) -> None:
 def test_time_limit_signal_checkpoints_requeues_and_ends_exact(
     cluster, long_reference, tmp_path
 ) -> None:
-    """--signal=B:USR2@60 and a real time limit. Slurm checks limits every 30 s and may signal
-    up to 60 s early, so the limit is set to 2 minutes once training runs (at submission it
-    could fire before the workers started): the signal then comes within about 30 s."""
-    job_id = submit(cluster, tmp_path, LONG_JOB, "--time=30", "--signal=B:USR2@60")
+    """--signal=B:USR2@110 and a real time limit. Slurm checks limits every 30 s, so the limit
+    is set to 2 minutes once training runs (at submission the signal could come before the
+    workers started): the signal then comes at the next check, within about 30 s, while the
+    job (over a minute of training) still runs, and well before the limit itself."""
+    job_id = submit(cluster, tmp_path, LONG_JOB, "--time=30", "--signal=B:USR2@110")
     wait_for_training(tmp_path / "run", min_step=4)
     cluster.ctl("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
     cluster.wait_for(job_id, {"PENDING", *FINAL_STATES}, timeout=120)
