@@ -101,6 +101,13 @@ class Lease:
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lost_to = ""  # the job that took the lease over while this one still ran
+
+    def held_by_me(self, holder: dict[str, Any] | None) -> bool:
+        return bool(holder) and (holder.get("job"), holder.get("pid")) == (  # type: ignore[union-attr]
+            self.mine["job"],
+            self.mine["pid"],
+        )
 
     def acquire(self) -> None:
         """Take the lease or raise RunDirBusy naming the holder. Call with the dir existing."""
@@ -121,6 +128,11 @@ class Lease:
         self._thread.start()
 
     def _take_over(self, holder: dict[str, Any] | None) -> None:
+        for _ in range(5):  # a read can race the holder's rename (ESTALE on NFS): read again
+            if holder is not None:
+                break
+            time.sleep(0.2)
+            holder = _read_json(self.path)
         if holder is None:
             log.warning("%s is unreadable: taking the lease", self.path)
         else:
@@ -153,9 +165,25 @@ class Lease:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.timeout_s / 4):
+            holder = _read_json(self.path)
+            if holder is not None and not self.held_by_me(holder):
+                # Taken over while this job was silent (suspended, a stalled filesystem):
+                # never write over the new holder; checkpoints refuse to write (check()).
+                self.lost_to = f"job {holder.get('job')} (host {holder.get('host')})"
+                log.error("run dir lease taken over by %s: this job must stop", self.lost_to)
+                return
             self.mine["heartbeat"] = time.time()
             with contextlib.suppress(OSError):  # a flaky filesystem: the next beat retries
                 _write_json(self.path, self.mine)
+
+    def check(self) -> None:
+        """Raise RunDirBusy when another job took the lease over (before writing anything)."""
+        if self.lost_to:
+            raise RunDirBusy(
+                f"run.dir={self.path.parent} was taken over by {self.lost_to} while this job "
+                f"was silent for more than run.lease_timeout_s={self.timeout_s:g} s: stopping "
+                "without writing, so that the two jobs do not overwrite each other"
+            )
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still this process's."""
@@ -163,11 +191,7 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            holder = _read_json(self.path)
-            if holder and (holder.get("job"), holder.get("pid")) == (
-                self.mine["job"],
-                self.mine["pid"],
-            ):
+            if self.held_by_me(_read_json(self.path)):
                 self.path.unlink(missing_ok=True)
 
 
@@ -201,12 +225,17 @@ def origin_of(resume: str) -> str:
 
 def continues_from_own_checkpoints(run_dir: Path, resume: str) -> bool:
     """Whether an explicit `--ckpt.resume=PATH` already initialised this run dir, which holds
-    checkpoints since: a restart repeating the command then continues from those."""
+    complete checkpoints since (a manifest, a step not before PATH's): a restart repeating the
+    command then continues from those."""
     record = _read_json(Path(run_dir) / ORIGIN_FILE)
     if not record or record.get("resume") != origin_of(resume):
         return False
-    return bool(checkpoint.list_checkpoints(checkpoint.checkpoint_dir(run_dir)))
+    directory = checkpoint.checkpoint_dir(run_dir)
+    return any(
+        step >= int(record.get("step", 0)) and checkpoint.manifest_path(path).is_file()
+        for step, path in checkpoint.list_checkpoints(directory)
+    )
 
 
-def record_origin(run_dir: Path, resume: str) -> None:
-    _write_json(Path(run_dir) / ORIGIN_FILE, {"resume": origin_of(resume)})
+def record_origin(run_dir: Path, resume: str, step: int) -> None:
+    _write_json(Path(run_dir) / ORIGIN_FILE, {"resume": origin_of(resume), "step": step})

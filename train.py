@@ -120,6 +120,7 @@ class Job:
     # The checkpoint resumed from was written on preemption at the end of an epoch (or of the
     # run), before that segment's evaluation: evaluate (and save) before training on.
     pending_eval: bool = False
+    lease: rundir.Lease | None = None  # rank 0's hold on the run dir (checked before saves)
 
 
 def steps_left_in_epoch(cfg: Config, info: DistInfo, num_train: int, consumed: int) -> int:
@@ -133,7 +134,7 @@ def write_config(cfg: Config, run_dir: Path) -> None:
     checkpoint.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
 
 
-def write_settled(cfg: Config, run_dir: Path) -> None:
+def write_settled(cfg: Config, run_dir: Path, step: int) -> None:
     """Once resuming is settled: the config, and where an explicit ckpt.resume started the run
     (restarts repeating the command then continue from the run's own checkpoints)."""
     write_config(cfg, run_dir)
@@ -141,7 +142,7 @@ def write_settled(cfg: Config, run_dir: Path) -> None:
     if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
         run_dir, resume
     ):
-        rundir.record_origin(run_dir, resume)
+        rundir.record_origin(run_dir, resume, step)
 
 
 def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:
@@ -308,10 +309,7 @@ def check_progress(cfg: Config, info: DistInfo, step: int) -> None:
             log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
     message = distributed.broadcast_object(message)
     if message is not None:
-        marker = os.environ.get("TRAIN_NO_PROGRESS_MARKER")
-        if marker and info.local_rank == 0:  # scripts/supervise.py then exits 76
-            with contextlib.suppress(OSError):
-                Path(marker).write_text(f"no progress from step {step}\n")
+        report_to_launcher("TRAIN_NO_PROGRESS_MARKER", f"no progress from step {step}")
         raise rundir.NoProgress(message)
 
 
@@ -567,6 +565,8 @@ def save_checkpoint(
     config_dict, config_hash = _config_record(cfg)
 
     def write() -> None:
+        if job.lease is not None:
+            job.lease.check()  # another job took the run dir over: write nothing
         model = distributed.unwrap_model(job.model)
         state = {
             "model": model.state_dict(),
@@ -617,10 +617,8 @@ def preempt(
     save_checkpoint(cfg, info, job, pos, None, wait=True, pending_eval=at_segment_end)
     if info.is_main:  # progress: restarts after this one start counting anew
         rundir.reset_attempts(Path(cfg.run.dir), pos.step)
-    marker = os.environ.get("TRAIN_PREEMPT_MARKER")
-    if marker and info.local_rank == 0:  # launch_multinode.sh exits 75 only after this
-        with contextlib.suppress(OSError):
-            Path(marker).write_text(f"checkpoint of step {pos.step} after {signal_name}\n")
+    # The launcher (scripts/supervise.py) exits 75 only after this
+    report_to_launcher("TRAIN_PREEMPT_MARKER", f"checkpoint of step {pos.step} after {signal_name}")
     raise resilience.Preempted(signal_name, pos.step)
 
 
@@ -907,7 +905,7 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
 
     try:
         distributed.run_on_main(info, f"taking the lease of run.dir={run_dir}", take_lease)
-        return _train(cfg, info, run_dir, preemption)
+        return _train(cfg, info, run_dir, preemption, lease if info.is_main else None)
     finally:
         preemption.restore()
         if info.is_main:
@@ -918,13 +916,18 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
 
 
 def _train(
-    cfg: Config, info: DistInfo, run_dir: Path, preemption: resilience.PreemptionHandler
+    cfg: Config,
+    info: DistInfo,
+    run_dir: Path,
+    preemption: resilience.PreemptionHandler,
+    lease: rundir.Lease | None,
 ) -> dict[str, Any]:
     seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
     job, pos = build(cfg, info)
+    job.lease = lease
     # Only now, once resuming (or refusing to) is settled: a refused run changes no file.
     distributed.run_on_main(
-        info, f"writing {run_dir / 'config.json'}", lambda: write_settled(cfg, run_dir)
+        info, f"writing {run_dir / 'config.json'}", lambda: write_settled(cfg, run_dir, pos.step)
     )
     log.info(
         "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
@@ -957,6 +960,11 @@ def _train(
                     if stop is not None:
                         preempt(cfg, info, job, pos, loop, stop)
                 pending_eval = False
+                # A signal during the epoch's last step or an earlier evaluation: checkpoint
+                # now (owing this evaluation) rather than after a long evaluation and save.
+                stop = stop_requested(info, loop.preemption)
+                if stop is not None:
+                    preempt(cfg, info, job, pos, loop, stop)
                 result = evaluate(info, job, loop.watchdog, pos.step, average)
                 log_eval(job, loop, result, pos)
                 left = steps_left_in_epoch(cfg, info, job.num_train, pos.samples_in_epoch)
@@ -993,6 +1001,22 @@ def _train(
     }
 
 
+def stop_requested(info: DistInfo, preemption: resilience.PreemptionHandler) -> str | None:
+    """Collective: the preemption signal some rank received (outside the step's own vote)."""
+    flag = torch.tensor([float(preemption.received is not None)], device=info.device)
+    if distributed.all_reduce_sum(flag).item() == 0:
+        return None
+    return preemption.received or "a signal received by another rank"
+
+
+def report_to_launcher(variable: str, text: str) -> None:
+    """Tell scripts/supervise.py how this launch ends (one file per node, see there)."""
+    marker = os.environ.get(variable)
+    if marker and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        with contextlib.suppress(OSError):
+            Path(marker).write_text(text + "\n")
+
+
 def launch_was_preempted() -> str:
     """What the launcher's preemption marker says ('' when unset or empty).
 
@@ -1004,9 +1028,10 @@ def launch_was_preempted() -> str:
     if not marker:
         return ""
     try:
-        return Path(marker).read_text().strip()
+        text = Path(marker).read_text().strip()
     except OSError:
         return ""
+    return text if text.startswith("checkpoint") else ""
 
 
 @distributed.record
@@ -1016,6 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)  # before any process group: a typo fails in seconds
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        report_to_launcher("TRAIN_BAD_INPUT_MARKER", f"bad input: {err}")
         return resilience.EXIT_BAD_INPUT
     setup_logging(int(os.environ.get("RANK", "0")))
     already = launch_was_preempted()
@@ -1031,6 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = for_world_size(cfg, info.world_size)
         result = train(cfg, info)
         log.info("done: %s", result)
+        # A stop signal that came while the run was finishing anyway: done, not preempted.
+        report_to_launcher("TRAIN_PREEMPT_MARKER", f"finished at step {result['step']}")
         return 0
     except rundir.NoProgress as err:
         log.error("%s", err)
@@ -1047,9 +1075,12 @@ def main(argv: list[str] | None = None) -> int:
         return resilience.EXIT_DIVERGED
     except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError, OSError) as err:
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
+        report_to_launcher("TRAIN_BAD_INPUT_MARKER", f"bad input: {err}")
         return resilience.EXIT_BAD_INPUT
     except distributed.PeerError as err:
         log.error("%s", err)
+        if err.exit_code == resilience.EXIT_BAD_INPUT:
+            report_to_launcher("TRAIN_BAD_INPUT_MARKER", f"bad input: {err}")
         return err.exit_code
     finally:
         distributed.teardown()

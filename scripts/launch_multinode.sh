@@ -88,7 +88,14 @@ if [[ "$RDZV_CHECK" == 1 ]]; then
   # RDZV_JOIN_TIMEOUT with a message naming the endpoint and the missing NODE_RANKs.
   env MASTER_ADDR="$MASTER_ADDR" RDZV_CHECK_PORT="$RDZV_CHECK_PORT" NNODES="$NNODES" \
     NODE_RANK="$NODE_RANK" RDZV_JOIN_TIMEOUT="$RDZV_JOIN_TIMEOUT" \
-    "$PYTHON" scripts/rendezvous_check.py
+    "$PYTHON" scripts/rendezvous_check.py &
+  check_pid=$!
+  # A stop signal while the nodes meet: nothing trained yet, so "preempted, resubmit" (75);
+  # the check must not live on holding its port. In the background: a trap interrupts `wait`.
+  trap 'kill "$check_pid" 2>/dev/null; echo "launch_multinode.sh: stopped by a signal before" \
+    "training started: exit 75" >&2; exit 75' TERM USR2 INT HUP
+  wait "$check_pid"  # its failure (exit 3 or 4) ends this script with that code (set -e)
+  trap - TERM USR2 INT HUP
 fi
 echo "launch_multinode.sh: node $NODE_RANK of $NNODES: ${cmd[*]}"
 # A fresh rendezvous store per restart round: torchrun otherwise keeps one store for all

@@ -6,28 +6,34 @@ checkpoint and a launcher exit code a scheduler can act on.
 scripts/launch_multinode.sh and scripts/train_single_node.sh exec this; use it directly only
 to wrap a torchrun command of your own. Exit codes:
 
-    75  preempted: the workers wrote their preemption checkpoint; requeue / resubmit
+    0   finished (also when a stop signal came while the run was finishing anyway)
+    2   bad input, reported by the workers: retrying cannot help
+    75  preempted: the workers wrote their preemption checkpoint (or were stopped before any
+        of them started); requeue / resubmit
     76  no progress: attempts keep starting from the same checkpoint; do not restart
     *   otherwise torchrun's own code (128 + N when a signal N killed it)
 
 What it does, and why:
 - Schedulers signal every process of a job, more than once, with mixed signals (Slurm: the
   step signal, then KillWait's SIGKILL; scancel; the kubelet). The first stop signal
-  (SIGTERM, SIGINT, SIGHUP, SIGUSR2) that reaches this process becomes one SIGTERM to torchrun,
-  which forwards it to its workers; repeats are logged and dropped. torchrun runs in a process
-  group of its own (a terminal's Ctrl-C reaches it only through here) with SIGUSR2 ignored (it
-  would die of it and orphan its workers).
-- torchrun starts its workers in sessions of their own and may itself die of a second signal
-  before they have checkpointed. This process is a child subreaper (Linux), so such workers
-  become its children and it waits for every one of them (at most SUPERVISE_GRACE_S, default
-  120 s, after the first stop signal, then SIGKILL) before it decides the exit code: it never
-  exits while a worker is still writing the checkpoint.
+  (SIGTERM, SIGINT, SIGHUP, SIGUSR2) that reaches this process becomes one SIGTERM to torchrun
+  and one to each of its workers (torchrun handles signals only once its workers run);
+  repeats are counted and dropped. torchrun runs in a process group of its own (a terminal's
+  Ctrl-C reaches it only through here) with SIGUSR2 ignored (it would die of it and orphan its
+  workers).
+- torchrun starts its workers in sessions of their own and may itself die (of a second signal,
+  of the OOM killer) before they have checkpointed. This process is a child subreaper (Linux),
+  so such workers become its children: it asks them to checkpoint and waits for every one of
+  them (at most SUPERVISE_GRACE_S, default 120 s, then SIGKILL) before it decides the exit
+  code: it never exits while a worker is still writing the checkpoint.
 - Workers can be signalled without this process (a scheduler that signals only them): they
-  checkpoint and exit 75, and torchrun, for which that is a failure, would restart them. Rank
-  0 of each node writes TRAIN_PREEMPT_MARKER after the checkpoint; once it is written this
-  process stops torchrun, and a worker started meanwhile exits 75 at once (train.py).
-- TRAIN_NO_PROGRESS_MARKER is written by train.py when it refuses to start for lack of
-  progress (run.max_attempts_without_progress): the exit is 76 whatever torchrun reports.
+  checkpoint and exit 75, and torchrun, for which that is a failure, would restart them. Local
+  rank 0 of each node writes TRAIN_PREEMPT_MARKER after the checkpoint; once it is written
+  this process stops torchrun, and a worker started meanwhile exits 75 at once (train.py).
+- TRAIN_NO_PROGRESS_MARKER and TRAIN_BAD_INPUT_MARKER are written by train.py when it refuses
+  to go on (run.max_attempts_without_progress; a config, file or run dir it cannot use): this
+  process stops torchrun's pointless restarts and exits 76 or 2, whatever torchrun reports
+  (torchrun turns every worker failure into its own exit 1).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
+EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
 EXIT_NO_PROGRESS = 76
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
@@ -87,29 +94,33 @@ def read(path: Path) -> str:
 
 
 class Supervisor:
-    def __init__(self, command: list[str], grace_s: float) -> None:
+    def __init__(self, command: list[str], grace_s: float, markers: dict[str, Path]) -> None:
         self.command = command
         self.grace_s = grace_s
-        self.stop_reason = ""  # why torchrun was asked to stop ('' = not asked)
+        self.markers = markers  # what the workers report: preempted, no_progress, bad_input
+        self.signals: list[int] = []  # received, not yet acted on (handlers only append)
+        self.stop_reason = ""  # why the workers were asked to stop ('' = not asked)
         self.stop_deadline = 0.0
         self.repeats = 0
         self.child: subprocess.Popen | None = None
         self.status: int | None = None  # torchrun's exit status once reaped
+        self.workers_seen = False  # torchrun started workers (training may have begun)
 
     def on_signal(self, signum: int, _frame: object) -> None:
-        name = signal.Signals(signum).name
-        if self.stop_reason:
-            self.repeats += 1
-            return
-        self.request_stop(f"{name} received")
+        self.signals.append(signum)  # nothing else here: the loop acts within POLL_S
 
     def request_stop(self, reason: str) -> None:
+        """SIGTERM to torchrun (it forwards it to its workers) and to each worker directly:
+        torchrun handles signals only once its workers run, and may have died already."""
         self.stop_reason = reason
         self.stop_deadline = time.monotonic() + self.grace_s
-        say(f"{reason}: asking the workers to checkpoint and stop (SIGTERM to torchrun)")
+        say(f"{reason}: asking the workers to checkpoint and stop")
+        targets = children_of(os.getpid())
         if self.child is not None and self.status is None:
+            targets += children_of(self.child.pid)
+        for pid in targets:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.child.pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
 
     def reap(self) -> bool:
         """Reap exited children (torchrun, adopted workers); False once none is left."""
@@ -132,15 +143,39 @@ class Supervisor:
             return
         if not quiet:
             say(
-                f"{len(pids)} process(es) still running {self.grace_s:g} s after torchrun was "
-                "asked to stop or ended "
-                f"(SUPERVISE_GRACE_S): SIGKILL to {pids}"
+                f"{len(pids)} process(es) still running {self.grace_s:g} s after the workers "
+                f"were asked to stop (SUPERVISE_GRACE_S): SIGKILL to {pids}"
             )
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def run(self, preempt_marker: Path, no_progress_marker: Path) -> int:
+    def step(self) -> None:
+        """One round of the loop: act on signals and on what the workers reported."""
+        while self.signals:
+            signum = self.signals.pop(0)
+            if self.stop_reason:
+                self.repeats += 1
+            else:
+                self.request_stop(f"{describe(-signum).removeprefix('signal ')} received")
+        if self.child is not None and self.status is None and not self.workers_seen:
+            self.workers_seen = bool(children_of(self.child.pid))
+        reported = {name: read(path) for name, path in self.markers.items()}
+        if not self.stop_reason:
+            if reported["preempted"].startswith("checkpoint"):
+                # The workers were signalled without this process: stop torchrun restarting them.
+                self.request_stop(f"the workers were preempted ({reported['preempted']})")
+            elif reported["no_progress"] or reported["bad_input"]:
+                # Final for this launch: restarts would fail the same way again.
+                self.request_stop(reported["no_progress"] or reported["bad_input"])
+            elif self.status is not None and children_of(os.getpid()):
+                # torchrun died on its own (OOM killer, a kill -9) and left training workers.
+                self.request_stop(f"torchrun ended with {describe(self.status)}")
+        if self.status is not None and not self.stop_deadline:
+            # torchrun is gone: what it left (loader workers, say) gets the same grace
+            self.stop_deadline = time.monotonic() + self.grace_s
+
+    def run(self) -> int:
         if not become_subreaper():
             say("cannot become a child subreaper: workers orphaned by torchrun are not waited for")
         for sig in STOP_SIGNALS:
@@ -154,40 +189,48 @@ class Supervisor:
         # A process group of its own: a terminal's Ctrl-C reaches torchrun only through here
         # (once), never twice.
         self.child = subprocess.Popen(self.command, preexec_fn=in_child, process_group=0)
-        if self.stop_reason:  # a signal came before torchrun existed
-            os.kill(self.child.pid, signal.SIGTERM)
         killed = False
         while self.reap():
-            if not self.stop_reason and read(preempt_marker):
-                self.request_stop(f"the workers were preempted ({read(preempt_marker)})")
-            if self.status is not None and not self.stop_deadline:
-                # torchrun is gone: what it left (loader workers, say) gets the same grace
-                self.stop_deadline = time.monotonic() + self.grace_s
+            self.step()
             if self.stop_deadline and time.monotonic() > self.stop_deadline:
                 self.kill_leftovers(quiet=killed)  # again each round: their children come next
                 killed = True
             time.sleep(POLL_S)
+        self.step()  # signals that came at the very end
         if self.repeats:
             say(f"{self.repeats} more stop signal(s) arrived meanwhile: the same request")
-        return self.exit_code(read(preempt_marker), read(no_progress_marker))
+        return self.exit_code({name: read(path) for name, path in self.markers.items()})
 
-    def exit_code(self, preempted: str, no_progress: str) -> int:
+    def exit_code(self, reported: dict[str, str]) -> int:
         status = self.status if self.status is not None else 1
-        if no_progress:
-            say(f"no progress ({no_progress}): exit {EXIT_NO_PROGRESS}, do not restart")
+        if reported["no_progress"]:
+            say(f"{reported['no_progress']}: exit {EXIT_NO_PROGRESS}, do not restart")
             return EXIT_NO_PROGRESS
-        if preempted:
-            say(f"the workers checkpointed ({preempted}); torchrun {describe(status)}: exit 75")
+        if reported["bad_input"]:
+            say(f"{reported['bad_input']}: exit {EXIT_BAD_INPUT}, retrying cannot help")
+            return EXIT_BAD_INPUT
+        if reported["preempted"].startswith("finished"):
+            say(f"the workers {reported['preempted']}: exit 0")
+            return 0
+        if reported["preempted"]:
+            say(f"the workers checkpointed ({reported['preempted']}); torchrun {describe(status)}")
             return EXIT_PREEMPTED
+        if self.stop_reason and not self.workers_seen:
+            say(f"{self.stop_reason} before any worker started: nothing to checkpoint, exit 75")
+            return EXIT_PREEMPTED
+        code = 128 - status if status < 0 else status
         if self.stop_reason:
             say(f"{self.stop_reason}, but no preemption checkpoint was reported")
-            return status if status != 0 else 1
-        return 128 - status if status < 0 else status
+            return code or 1
+        return code
 
 
 def describe(status: int) -> str:
     if status < 0:
-        return f"signal {signal.Signals(-status).name}"
+        try:
+            return f"signal {signal.Signals(-status).name}"
+        except ValueError:  # a real-time signal
+            return f"signal {-status}"
     return f"exit {status}"
 
 
@@ -208,19 +251,21 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    markers = []
-    for name, prefix in (
-        ("TRAIN_PREEMPT_MARKER", "train-preempted."),
-        ("TRAIN_NO_PROGRESS_MARKER", "train-no-progress."),
+    # What the workers report (train.py; local rank 0 of each node writes its node's file).
+    markers = {}
+    for name, variable in (
+        ("preempted", "TRAIN_PREEMPT_MARKER"),
+        ("no_progress", "TRAIN_NO_PROGRESS_MARKER"),
+        ("bad_input", "TRAIN_BAD_INPUT_MARKER"),
     ):
-        fd, path = tempfile.mkstemp(prefix=prefix)
+        fd, path = tempfile.mkstemp(prefix=f"train-{name}.")
         os.close(fd)
-        os.environ[name] = path
-        markers.append(Path(path))
+        os.environ[variable] = path
+        markers[name] = Path(path)
     try:
-        return Supervisor(argv, grace_s).run(*markers)
+        return Supervisor(argv, grace_s, markers).run()
     finally:
-        for marker in markers:
+        for marker in markers.values():
             marker.unlink(missing_ok=True)
 
 

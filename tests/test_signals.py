@@ -244,3 +244,50 @@ def test_ctrl_c_in_an_interactive_run_checkpoints(tmp_path) -> None:
     assert returncode == 75, output[-3000:]
     assert "preempted by SIGINT" in output and "Traceback" not in output
     assert len(checkpoints(run_dir)) == 1
+
+
+@pytest.mark.parametrize("launcher", ["train_single_node.sh", "launch_multinode.sh"])
+def test_a_stop_before_training_starts_exits_75_and_leaves_nothing(tmp_path, launcher) -> None:
+    """SIGTERM to every process while torchrun is still starting (it handles signals only
+    once its workers run, and dies of one before): nothing trained, so 'resubmit' (75)."""
+    run_dir = tmp_path / "run"
+    cmd, env = launcher_command(launcher)
+    proc = subprocess.Popen(
+        [*cmd, f"--run.dir={run_dir}", *JOB],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        time.sleep(1.0)
+        deliver(proc.pid, [("all", "SIGTERM")])
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, output[-3000:]
+    assert not (run_dir / "checkpoints").exists()
+    assert not job_tree(proc.pid)["all"][1:]
+
+
+def test_bad_input_under_the_launcher_exits_2_without_burning_restarts(tmp_path) -> None:
+    """torchrun turns a worker's exit 2 into its own 1 and restarts it; the launcher reports
+    the workers' 2 (train.sbatch does not requeue it) and stops the restarts."""
+    cmd, env = launcher_command("launch_multinode.sh")
+    env["MAX_RESTARTS"] = "3"
+    missing = tmp_path / "missing.pt"
+    proc = subprocess.run(
+        [*cmd, f"--run.dir={tmp_path / 'run'}", *JOB, f"--ckpt.resume={missing}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert str(missing) in output and "retrying cannot help" in output
+    assert output.count("not starting") == 0 and output.count("world size") == 0
