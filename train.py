@@ -243,7 +243,6 @@ def build(cfg: Config, info: DistInfo) -> tuple[Job, Position]:
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}: lower it or data.batch_size"
         )
     resumed = load_resume_state(cfg, info)
-    check_progress(cfg, info, resumed[1]["step"] if resumed is not None else 0)
     pos = Position()
     if resumed is not None:
         pos = resume_position(cfg, info, *resumed, num_train, data_fingerprint)
@@ -925,6 +924,8 @@ def _train(
     seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
     job, pos = build(cfg, info)
     job.lease = lease
+    # Once resuming is settled (a refused run changes no file), before anything is trained.
+    check_progress(cfg, info, pos.step)
     # Only now, once resuming (or refusing to) is settled: a refused run changes no file.
     distributed.run_on_main(
         info, f"writing {run_dir / 'config.json'}", lambda: write_settled(cfg, run_dir, pos.step)
