@@ -75,3 +75,23 @@ def free_port() -> int:
                     continue
             return port
     raise RuntimeError("no two consecutive free ports found")
+
+
+def final_state(run_dir: Path) -> dict:
+    """The newest checkpoint of a run dir, loaded (weights_only)."""
+    directory = run_dir / "checkpoints"
+    newest = max(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    return torch.load(newest, weights_only=True)
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    """Two checkpoints hold the same step, weights and optimizer state, bit for bit."""
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for name, value in state_a[index].items():
+            assert torch.equal(value, state_b[index][name]), (index, name)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, free_port
+from helpers import REPO, assert_same_training_state, final_state, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -76,24 +76,6 @@ def launch(
     )
     proc.output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
     return proc
-
-
-def final_state(run_dir: Path) -> dict:
-    directory = run_dir / "checkpoints"
-    newest = max(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-    return torch.load(newest, weights_only=True)
-
-
-def assert_same_training_state(a: dict, b: dict) -> None:
-    assert a["step"] == b["step"]
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert state_a.keys() == state_b.keys()
-    for index in state_a:
-        for name, value in state_a[index].items():
-            assert torch.equal(value, state_b[index][name]), (index, name)
 
 
 def eval_rows(run_dir: Path) -> list[dict]:

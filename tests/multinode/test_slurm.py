@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_training_state, final_state
 from slurm_cluster import FINAL_STATES, SlurmCluster, leftovers, slurm_cluster
 
 CAN_RUN_SLURM = os.geteuid() == 0 and all(
@@ -81,24 +82,6 @@ def epoch_digests(run_dir: Path) -> dict[int, str]:
     """The digest logged at the end of each epoch (the last eval row of the epoch)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["epoch"]: r["epoch_sample_digest"] for r in rows if r["kind"] == "eval"}
-
-
-def final_state(run_dir: Path) -> dict:
-    directory = run_dir / "checkpoints"
-    newest = max(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-    return torch.load(newest, weights_only=True)
-
-
-def assert_same_training_state(a: dict, b: dict) -> None:
-    assert a["step"] == b["step"]
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert state_a.keys() == state_b.keys()
-    for index in state_a:
-        for name, value in state_a[index].items():
-            assert torch.equal(value, state_b[index][name]), (index, name)
 
 
 def assert_ends_like(run_dir: Path, reference: Path, epochs: int) -> None:
