@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -95,3 +96,13 @@ def assert_same_training_state(a: dict, b: dict) -> None:
     for index in state_a:
         for name, value in state_a[index].items():
             assert torch.equal(value, state_b[index][name]), (index, name)
+
+
+def wait_for_train_rows(run_dir: Path, proc: Any, rows: int = 1, timeout: float = 120) -> None:
+    """Until the run's metrics.jsonl holds `rows` training rows; fails if `proc` ends first."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= rows):
+        assert time.monotonic() < deadline, f"no {rows} training rows in {metrics}"
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {rows} rows"
+        time.sleep(0.1)

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_same_training_state, final_state, free_port
+from helpers import (
+    REPO,
+    assert_same_training_state,
+    final_state,
+    free_port,
+    wait_for_train_rows,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -338,11 +344,7 @@ def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
+    wait_for_train_rows(run_dir, proc)
     if launcher == "torchrun":
         proc.send_signal(sig)  # Kubernetes signals PID 1 only
     else:
@@ -510,11 +512,7 @@ def test_a_second_job_in_a_run_dir_is_refused_naming_the_holder(tmp_path) -> Non
         stderr=subprocess.STDOUT,
     )
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
-            assert time.monotonic() < deadline and first.poll() is None
-            time.sleep(0.2)
+        wait_for_train_rows(run_dir, first)
         config_before = (run_dir / "config.json").read_bytes()
         second = launch(run_dir, 2, "--train.epochs=400")
         assert second.returncode != 0

@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, assert_same_training_state, final_state, free_port
+from helpers import (
+    REPO,
+    assert_same_training_state,
+    final_state,
+    free_port,
+    wait_for_train_rows,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -166,11 +172,7 @@ def test_stop_signals_however_delivered_end_in_one_checkpoint_and_exit_75(
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     proc = start_job(launcher, run_dir, log)
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= 3):
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for_train_rows(run_dir, proc, rows=3)
         tree = job_tree(proc.pid)
         assert len(tree["workers"]) == 2 and len(tree["loaders"]) >= 2, tree
         deliver(proc.pid, PATTERNS[pattern])
@@ -208,11 +210,7 @@ def test_ctrl_c_in_an_interactive_run_checkpoints(tmp_path) -> None:
             start_new_session=True,
         )
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for_train_rows(run_dir, proc)
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGINT)
