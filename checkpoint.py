@@ -27,8 +27,6 @@ from typing import Any, BinaryIO
 
 import torch
 
-import faults
-
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
@@ -126,17 +124,11 @@ class _HashingWriter:
         self.file = file
         self.crc32 = 0
         self.bytes = 0
-        self.calls = 0
 
     def write(self, chunk: bytes) -> int:
         self.crc32 = zlib.crc32(chunk, self.crc32)
         self.bytes += len(chunk)
-        self.calls += 1
-        written = self.file.write(chunk)
-        if self.calls == 2:  # some bytes are on their way, far from all of them
-            self.file.flush()
-            faults.fire("save", "partial", 0)
-        return written
+        return self.file.write(chunk)
 
     def flush(self) -> None:
         self.file.flush()
@@ -196,7 +188,6 @@ def save(
     (with the CRC-32 of the bytes written) exists, and pruning happens only after that: the
     newest good checkpoint is never removed before its successor is verified.
     """
-    faults.fire("save", "begin", 0)
     require_finite(state.get("model", {}), step)
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(directory)
@@ -208,7 +199,6 @@ def save(
         torch.save(state, writer)
         hashed.append(writer)
         f.flush()
-        faults.fire("save", "written", 0)
 
     # Re-saving a step (a resumed run saves again the step it was preempted at) must not
     # invalidate the good checkpoint of that step before its replacement is durable: the new
@@ -236,10 +226,8 @@ def save(
     # may lose the new name: loading skips a manifest without its file, and the older ones
     # remain.
     os.replace(tmp, path)
-    faults.fire("save", "renamed", 0)
     atomic_write_bytes(manifest_path(path), lambda f: f.write(payload))
     next_manifest_path(path).unlink(missing_ok=True)
-    faults.fire("save", "manifest", 0)
     best = read_best(directory)
     if best is not None and best["step"] > step:  # left by an abandoned later run: stale
         best = None

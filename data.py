@@ -25,7 +25,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 import distributed
-import faults
 from config import ConfigError, DataConfig
 from distributed import DistInfo
 
@@ -278,7 +277,6 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     prepared: list[DataSplits] = []
 
     def prepare() -> None:
-        faults.fire("prepare", "begin", info.rank)
         prepared.append(builder(cfg))
 
     # Bounded by data.prepare_timeout_s, not dist.timeout_s: a download may take long.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +81,18 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int | Callable[[], int]
 ) -> LambdaLR:
-    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
-    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.min_lr_ratio))
+    """Warmup and cosine decay over `total_steps`: a count, or a function giving it (a run
+    knows its length only once it has resumed, which may be after the scheduler is built)."""
+    steps = total_steps if callable(total_steps) else lambda: total_steps
+
+    def factor(step: int) -> float:  # a function: LambdaLR saves no state of it
+        total = steps()
+        warmup = min(cfg.warmup_steps, max(0, total - 1))
+        return lr_factor(step, warmup, total, cfg.min_lr_ratio)
+
+    return LambdaLR(optimizer, factor)
 
 
 @dataclass

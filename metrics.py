@@ -118,53 +118,6 @@ class StragglerReport:
         return report
 
 
-class StepProfiler:
-    """torch.profiler over optimizer steps [START, END), written for TensorBoard's profiler."""
-
-    def __init__(
-        self, steps: tuple[int, ...], run_dir: Path, rank: int, device: torch.device
-    ) -> None:
-        self.start, self.end = steps if steps else (-1, -1)
-        self.run_dir = run_dir
-        self.rank = rank
-        self.device = device
-        self.prof: Any = None
-
-    def before_step(self, step: int) -> None:
-        if step != self.start:
-            return
-        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
-        activities = [ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        trace_dir = self.run_dir / "tensorboard" / "profile"
-        self.prof = profile(
-            activities=activities,
-            on_trace_ready=tensorboard_trace_handler(
-                str(trace_dir), worker_name=f"rank{self.rank}"
-            ),
-            record_shapes=True,
-        )
-        self.prof.start()
-
-    def after_step(self, step: int) -> None:
-        """`step` = optimizer steps done; stops after step END - 1 (or at the run's end)."""
-        if self.prof is not None and step >= self.end:
-            self.stop()
-
-    def stop(self) -> None:
-        if self.prof is not None:
-            self.prof.stop()  # writes the trace
-            log.info(
-                "profiler trace of steps %d-%d written under %s",
-                self.start,
-                self.end - 1,
-                self.run_dir / "tensorboard" / "profile",
-            )
-            self.prof = None
-
-
 def flops_per_sample(model: nn.Module, sample: torch.Tensor, loss_fn: nn.Module) -> float:
     """Forward + backward FLOPs of one training sample (torch.utils.flop_counter), counted on a
     copy of the bare model so that no statistic of the real one moves."""
@@ -181,20 +134,53 @@ def flops_per_sample(model: nn.Module, sample: torch.Tensor, loss_fn: nn.Module)
     return counter.get_total_flops() / len(batch)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of the best of a few large matmuls in `dtype` on `device` (the hardware limit
-    this process can reach: on CPU with its torch threads)."""
-    size = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+# Dense datasheet peaks in FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name
+# and dtype. float32 means TF32 tensor cores, which train.cuda_fast_math turns on.
+DATASHEET_PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
+    "H200": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12},
+    "H100 PCIe": {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 378e12},
+    "H100": {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12},  # SXM
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
+    "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 183e12},
+    "L4": {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60e12},
+}
+
+
+def datasheet_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak for a known GPU, or None (the first matching name wins)."""
+    for name, peaks in DATASHEET_PEAK_FLOPS.items():
+        if name in device_name:
+            return peaks.get(dtype)
+    return None
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 4) -> float:
+    """FLOP/s of the fastest of `repeats` square matmuls of `size` in `dtype` on `device`."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    out = torch.mm(a, b)  # warm-up: kernel selection, allocation
     best = float("inf")
-    for _ in range(4):
+    for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        (a @ b).sum().item()
+        torch.mm(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - started)
     return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The peak FLOP/s that MFU divides by, and where it comes from: the datasheet for known
+    GPUs, else the fastest large matmul this process runs (on CPU: with its torch threads)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = datasheet_peak_flops(name, dtype)
+        if peak is not None:
+            return peak, f"datasheet, {name}, {dtype}"
+    size = 4096 if device.type == "cuda" else 1024
+    return matmul_flops(device, dtype, size), f"measured {size}x{size} {dtype} matmul"
 
 
 class TrainMeter:

@@ -316,12 +316,22 @@ class SampleLedger:
     """
 
     def __init__(self) -> None:
+        self.epoch = 0
         self.carried = [0, 0, 0]  # global totals of this epoch before this process started it
         self.local = torch.zeros(3, dtype=torch.int64)
 
-    def start_epoch(self, carried: list[int] | None = None) -> None:
+    def start_epoch(self, epoch: int, carried: list[int] | None = None) -> None:
+        self.epoch = epoch
         self.carried = list(carried) if carried else [0, 0, 0]
         self.local.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: the epoch's global totals so far."""
+        totals, _ = self.totals()
+        return {"epoch": self.epoch, "totals": totals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start_epoch(int(state["epoch"]), list(state["totals"]))
 
     def add(self, indices: torch.Tensor) -> None:
         h1, h2 = index_hashes(indices)

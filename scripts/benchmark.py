@@ -63,6 +63,7 @@ import checkpoint  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import engine  # noqa: E402
+import metrics  # noqa: E402
 import resilience  # noqa: E402
 import train  # noqa: E402
 from config import (  # noqa: E402
@@ -75,7 +76,6 @@ from config import (  # noqa: E402
     split_argv,
 )
 from distributed import DistInfo  # noqa: E402
-from metrics import MetricsWriter  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Stats = tuple[tuple[float, ...], tuple[float, ...]]  # per-channel mean and std, in [0, 1] units
@@ -200,27 +200,34 @@ class Replay:
 
 
 class Pipeline:
-    """train.py's training loop and checkpoint save, driven step by step as `train.train` does.
+    """train.py's Trainer, driven through its public API: `train_steps(n)` and `save()`.
 
-    Each `run` is a short epoch of exactly `num_steps` steps over the replayed batches, in a
-    run that never ends (no end-of-run log row); `pos.step` keeps counting, so log rows (an
-    all-reduce, a metrics.jsonl line, TensorBoard scalars) come every `log.every_steps`.
+    The Trainer's training loader is replaced by a `Replay` of its own batches, so each `run`
+    is `num_steps` steps of the real step (instruments, step guard, sample ledger, periodic
+    log rows: an all-reduce, a metrics.jsonl line, TensorBoard scalars every
+    `log.every_steps`) without waiting for data.
     """
 
-    def __init__(self, cfg: Config, info: DistInfo, job: train.Job, num_batches: int) -> None:
-        self.cfg, self.info, self.job = cfg, info, job
-        self.replay = Replay(job.train_loader, num_batches * cfg.train.grad_accum_steps)
-        job.train_loader = self.replay  # type: ignore[assignment]
-        self.schedule_steps = job.total_steps  # what the LR schedule was built for
-        job.total_steps = sys.maxsize
-        self.pos = train.Position()
-        writer = MetricsWriter(Path(cfg.run.dir), info.is_main, cfg.log.tensorboard)
-        distributed.run_on_main(info, "opening metrics.jsonl", writer.open)
+    def __init__(self, cfg: Config, info: DistInfo, num_batches: int) -> None:
+        self.cfg, self.info = cfg, info
         # The watchdog wakes as in training, but with a timeout that the untimed phases
         # between runs (matmuls, saves) cannot trip.
         preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
-        self.loop = train.make_loop(cfg, info, job, writer, preemption, stall_timeout_s=3600.0)
-        self.loop.watchdog.start()
+        self.trainer = train.Trainer(cfg, info, preemption, stall_timeout_s=3600.0)
+        self.replay = Replay(self.trainer.train_loader, num_batches * cfg.train.grad_accum_steps)
+        self.trainer.train_loader = self.replay  # type: ignore[assignment]
+        self.schedule_steps = self.trainer.total_steps  # what the LR schedule is built for
+        self.trainer.resume()  # a fresh run (ckpt.resume=never): settles the run dir
+        self._running = self.trainer.instruments.running(self.schedule_steps)
+        self._running.__enter__()
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainer.model
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        return self.trainer.amp_dtype
 
     @property
     def batches(self) -> list[Batch]:
@@ -228,19 +235,16 @@ class Pipeline:
         return [(images, labels) for images, labels, *_ in self.replay.batches]
 
     def run(self, num_steps: int) -> None:
-        self.job.num_train = num_steps * global_batch_size(self.cfg, self.info.world_size)
-        self.pos.samples_in_epoch = self.pos.step_in_epoch = 0
-        train.train_epoch(self.cfg, self.info, self.job, self.pos, self.loop)
+        self.trainer.train_steps(num_steps)
 
     def save(self, step: int, accuracy: float | None, saver: checkpoint.AsyncSaver | None) -> None:
-        """train.py's checkpoint save as of `step`: synchronous, or handed to `saver`."""
-        self.job.saver = saver
-        pos = dataclasses.replace(self.pos, step=step)
-        train.save_checkpoint(self.cfg, self.info, self.job, pos, accuracy)
+        """The Trainer's checkpoint save as of `step`: synchronous, or handed to `saver`."""
+        self.trainer.checkpoints.saver = saver
+        self.trainer.checkpoints.save(step, accuracy)
 
     def close(self) -> None:
-        self.loop.watchdog.stop()
-        self.loop.writer.close()
+        self._running.__exit__(None, None, None)
+        self.trainer.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +268,9 @@ class Bare:
     max_norm: float
     accum: int
 
+    def __post_init__(self) -> None:
+        self.stream = itertools.cycle(self.batches)
+
 
 def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) -> Bare:
     """The reference loop, on a copy of the job's model taken before its first step.
@@ -272,8 +279,7 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
     the test's parameter comparison checks the pipeline against an independent statement of
     the math: SGD (momentum, Nesterov) or AdamW, weight decay on conv/linear weights only.
     """
-    job = pipeline.job
-    model = distributed.wrap_model(copy.deepcopy(distributed.unwrap_model(job.model)), info)
+    model = distributed.wrap_model(copy.deepcopy(distributed.unwrap_model(pipeline.model)), info)
     if train.on_cuda_by_default(cfg.train.compile, info):
         model = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -297,14 +303,14 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
         optimizer=optimizer,
         # The learning rates are not what the comparison is about: use the pipeline's schedule.
         scheduler=engine.build_scheduler(optimizer, o, pipeline.schedule_steps),
-        scaler=torch.amp.GradScaler(info.device.type, enabled=job.amp_dtype == torch.float16),
+        scaler=torch.amp.GradScaler(info.device.type, enabled=pipeline.amp_dtype == torch.float16),
         batches=pipeline.batches,
         mean=mean,
         inv_std=1.0 / std,
         memory_format=torch.channels_last
         if train.channels_last(cfg, info)
         else torch.contiguous_format,
-        amp_dtype=job.amp_dtype,
+        amp_dtype=pipeline.amp_dtype,
         label_smoothing=o.label_smoothing,
         max_norm=o.grad_clip if o.grad_clip > 0 else math.inf,
         accum=cfg.train.grad_accum_steps,
@@ -324,8 +330,9 @@ def bare_forward_backward(
 
 
 def bare_steps(bare: Bare, num_steps: int, sync: bool = True) -> None:
-    """`num_steps` optimizer steps; `sync=False` skips DDP's gradient all-reduce (no_sync)."""
-    batches = itertools.cycle(bare.batches)
+    """`num_steps` optimizer steps; `sync=False` skips DDP's gradient all-reduce (no_sync).
+    The replayed batches go on where the previous call left them, as in the pipeline."""
+    batches = bare.stream
     bare.model.train()
     for _ in range(num_steps):
         for i in range(bare.accum):
@@ -382,8 +389,7 @@ def measured_config(cfg: Config, plan: Plan, run_dir: Path) -> Config:
 def build_rig(cfg: Config, info: DistInfo, plan: Plan, stats: Stats, run_dir: Path) -> Rig:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = measured_config(cfg, plan, run_dir)
-    job, _ = train.build(cfg, info)
-    pipeline = Pipeline(cfg, info, job, plan.replay_batches)
+    pipeline = Pipeline(cfg, info, plan.replay_batches)
     return Rig(cfg, info, pipeline, build_bare(cfg, info, pipeline, stats))
 
 
@@ -499,21 +505,22 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, size: int, plan: Plan
 
 
 def measure_mfu(rig: Rig, plan: Plan, step_rate: float) -> dict[str, Any]:
-    """Training FLOP/s over the device's practical peak: its fastest matmul in the training
-    dtype, measured here in the same process with the same threads."""
+    """Training FLOP/s over the peak that training's MFU divides by (metrics.peak_flops: the
+    datasheet for known GPUs, else the fastest large matmul), with the matmul rates of a few
+    sizes in the training dtype, measured here with the same threads, for context."""
     flops = step_flops(rig.bare)
     dtype = rig.bare.amp_dtype or torch.float32
     device = rig.info.device
     by_size = {size: matmul_flops(device, dtype, size, plan) for size in MATMUL_SIZES[device.type]}
-    peak = max(by_size.values(), key=lambda spread: spread.median)
+    peak, source = metrics.peak_flops(device, dtype)
     achieved = flops * step_rate / rig.samples_per_step
     return {
         "flops_per_step": flops,
         "model_flops_per_s": achieved,
         "peak_flops_per_s": peak,
-        "matmul_flops_per_s_by_size": {size: rate.median for size, rate in by_size.items()},
-        "peak_dtype": str(dtype),
-        "mfu": achieved / peak.median,
+        "peak_source": source,
+        "matmul_flops_per_s_by_size": {size: rate for size, rate in by_size.items()},
+        "mfu": achieved / peak,
     }
 
 
@@ -787,7 +794,7 @@ def notes(details: dict[str, Any]) -> dict[str, str]:
         "loader_headroom": f"loader {ld['loader_samples_per_s'].show()} samples/s "
         f"({ld['num_workers']} workers) / step {ld['step_samples_per_s']:,.0f}",
         "mfu": f"{m['flops_per_step'] / 1e9:.2f} GFLOP/step, {m['model_flops_per_s'] / 1e9:.2f} "
-        f"GFLOP/s / peak {m['peak_flops_per_s'].show('{:,.3g}')} FLOP/s {m['peak_dtype']}",
+        f"GFLOP/s / peak {m['peak_flops_per_s']:,.3g} FLOP/s ({m['peak_source']})",
         "checkpoint_save_ratio": f"save {c['save_s'].show('{:.4f}')} s / raw "
         f"{c['raw_write_s'].show('{:.4f}')} s, {c['bytes'] / 1e6:.2f} MB; one small atomic "
         f"write {c['small_atomic_write_s'].show('{:.4f}')} s",

@@ -9,7 +9,9 @@
 #   JOB_ID (ddp-job; the same on all nodes of one job, distinct per job), MAX_RESTARTS (3),
 #   RDZV_JOIN_TIMEOUT (600 s to wait for all nodes), SOCKET_IFNAME (network interface for gloo
 #   and NCCL, e.g. eth0), LOCAL_ADDR (this node's address as the others reach it; default: its
-#   host name, which must resolve everywhere), PYTHON (.venv/bin/python when present, else python3).
+#   host name, which must resolve everywhere), PYTHON (.venv/bin/python when present, else python3),
+#   TRAIN_SCRIPT (train.py; your own entry point that ends in train.main(), e.g. one that
+#   registers extra checkpointed state).
 # RDZV_CHECK (1) meets all nodes on RDZV_CHECK_PORT (MASTER_PORT + 1) before torchrun starts,
 #   so failures are explained (scripts/rendezvous_check.py); 0 skips it.
 # Network: every node must reach node 0 on MASTER_PORT and RDZV_CHECK_PORT, and all nodes each
@@ -78,7 +80,7 @@ cmd=("$PYTHON" -m torch.distributed.run
 # The address other nodes reach this one at; without it torchrun advertises this host's FQDN,
 # which must then resolve on every node.
 [[ -n "${LOCAL_ADDR:-}" ]] && cmd+=(--local-addr="$LOCAL_ADDR")
-cmd+=(train.py "$@")
+cmd+=("${TRAIN_SCRIPT:-train.py}" "$@")
 
 for knob in NCCL_DEBUG TORCH_DISTRIBUTED_DEBUG NCCL_IB_DISABLE NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
   [[ -n "${!knob:-}" ]] && echo "launch_multinode.sh: $knob=${!knob}"

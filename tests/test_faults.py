@@ -3,8 +3,9 @@
 Every test compares with an independent reference: the final parameters and optimizer state
 of an uninterrupted run (`torch.equal`), and each epoch's sample digest recomputed here, with
 Python integers, from DistributedSampler's permutation (torch.randperm seeded by seed + epoch).
-Faults are planned with TRAIN_FAULTS (see faults.py) so that they hit a chosen step; they fire
-only in the first attempt of a torchrun job.
+Faults are planned with TRAIN_FAULTS and injected by the test entry point tests/faults.py (which
+wraps the production functions, then runs train.main()) so that they hit a chosen step; they
+fire only in the first attempt of a torchrun job.
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ def launch(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     if nproc == 1:
-        cmd = [sys.executable, "train.py"]
+        cmd = [sys.executable, "tests/faults.py"]
     else:
         cmd = [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
             f"--nproc_per_node={nproc}",
             f"--max-restarts={restarts}",
-            "train.py",
+            "tests/faults.py",
         ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults, **(env or {})}
     proc = subprocess.run(

@@ -1,49 +1,93 @@
-"""train.py's resume bookkeeping and guards, without launching processes."""
+"""The Trainer's resume bookkeeping, checkpointed state and guards, without launching processes."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import checkpoint
+import resilience
+import state
 import train
 from config import Config, ConfigError, parse_args
 from distributed import DistInfo
 
 CPU = torch.device("cpu")
 ONE = DistInfo(0, 0, 1, CPU)
+PARTS = ("position", "rng", "model", "optimizer", "scheduler", "scaler", "ledger")
+
+
+class Recorder:
+    """A stateful part that remembers what it was given."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value, self.loaded = value, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.loaded = saved
 
 
 def saved_state(cfg: Config, **overrides) -> dict:
-    state = {
+    saved = {
+        "format": state.FORMAT,
         "model": {},
         "optimizer": {},
         "scheduler": {},
         "scaler": {},
+        "position": {"step": 30, "epoch": 1, "samples_in_epoch": 1280},
         "step": 30,
-        "epoch": 1,
-        "samples_in_epoch": 1280,
-        "step_in_epoch": 10,
         "world_size": 1,
         "global_batch_size": 128,
         "config": cfg.to_dict(),
-        "rng": [],
+        "rng": {"per_rank": []},
         "ledger": {"epoch": 1, "totals": [1280, 0, 0]},
         "data_fingerprint": "abc",
     }
-    return {**state, **overrides}
+    return {**saved, **overrides}
 
 
-def resume(cfg: Config, state: dict, info: DistInfo = ONE, name: str = "c.pt") -> train.Position:
-    return train.resume_position(cfg, info, Path(name), state, 60000, "abc")
+def manager_with(
+    cfg: Config, info: DistInfo = ONE, **parts: Any
+) -> tuple[state.CheckpointManager, state.Position]:
+    """A manager with the Trainer's parts: a real Position, Recorders for the rest."""
+    manager = state.CheckpointManager(cfg, info, num_train=60000, data_fingerprint="abc")
+    position = state.Position()
+    for name in PARTS:
+        manager.register(name, parts.get(name, position if name == "position" else Recorder()))
+    return manager, position
+
+
+def resume(cfg: Config, saved: dict, info: DistInfo = ONE, name: str = "c.pt") -> state.Position:
+    manager, position = manager_with(cfg, info)
+    manager.restore(Path(name), saved)
+    return position
 
 
 def test_position_continues_mid_epoch() -> None:
     cfg = Config()
     pos = resume(cfg, saved_state(cfg))
     assert (pos.step, pos.epoch, pos.samples_in_epoch) == (30, 1, 1280)
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_where_it_stood() -> None:
+    cfg = Config()
+    old = {key: value for key, value in saved_state(cfg).items() if key != "format"}
+    del old["position"]
+    old.update(epoch=1, samples_in_epoch=1280, step_in_epoch=10, rng=[])
+    pos = resume(cfg, old)
+    assert (pos.step, pos.epoch, pos.samples_in_epoch) == (30, 1, 1280)
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused() -> None:
+    cfg = Config()
+    with pytest.raises(checkpoint.CheckpointError, match="c.pt has format 3, newer"):
+        resume(cfg, saved_state(cfg, format=3))
 
 
 def test_mid_epoch_resume_with_another_world_size_is_reported(caplog) -> None:
@@ -56,24 +100,25 @@ def test_mid_epoch_resume_with_another_world_size_is_reported(caplog) -> None:
 
 def test_same_global_batch_on_another_world_size_changes_no_math(caplog) -> None:
     cfg = parse_args(["--data.global_batch_size=256"])
-    state = saved_state(cfg, world_size=4, global_batch_size=256)
+    saved = saved_state(cfg, world_size=4, global_batch_size=256)
     with caplog.at_level("WARNING"):
-        resume(cfg, state, DistInfo(0, 0, 2, CPU, "gloo"))  # both: 256 per optimizer step
+        resume(cfg, saved, DistInfo(0, 0, 2, CPU, "gloo"))  # both: 256 per optimizer step
     assert "change the training math" not in caplog.text
 
 
 def test_position_beyond_this_dataset_is_refused() -> None:
     cfg = Config()
+    position = {"step": 30, "epoch": 1, "samples_in_epoch": 70000}
     with pytest.raises(ConfigError, match="c.pt is 70000 samples into epoch 1.*60000"):
-        resume(cfg, saved_state(cfg, samples_in_epoch=70000))
+        resume(cfg, saved_state(cfg, position=position))
 
 
 def test_checkpoint_from_elsewhere_is_named() -> None:
     cfg = Config()
-    state = saved_state(cfg)
-    del state["step_in_epoch"], state["scaler"], state["rng"]
-    with pytest.raises(checkpoint.CheckpointError, match="x.pt lacks scaler, step_in_epoch, rng"):
-        resume(cfg, state, name="x.pt")
+    saved = saved_state(cfg)
+    del saved["scaler"], saved["rng"], saved["world_size"]
+    with pytest.raises(checkpoint.CheckpointError, match="x.pt lacks rng, scaler, world_size"):
+        resume(cfg, saved, name="x.pt")
 
 
 def test_changed_math_settings_are_reported(caplog) -> None:
@@ -89,13 +134,79 @@ def test_model_mismatch_names_the_checkpoint() -> None:
     splits = train.data.DataSplits(None, None, 1, 10, (0.5,), (0.25,))  # type: ignore[arg-type]
     model = train.build_model(cfg, splits, ONE)
     other = train.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
-    optimizer = train.engine.build_optimizer(model, cfg.optim)
-    scheduler = train.engine.build_scheduler(optimizer, cfg.optim, 10)
-    state = saved_state(cfg, model=other.state_dict())
+    manager, _ = manager_with(cfg, model=state.ModelState(model))
     with pytest.raises(checkpoint.CheckpointError, match="old.pt does not fit this run's model"):
-        train.load_states(
-            Path("old.pt"), state, model, optimizer, scheduler, train.engine.make_scaler(CPU, None)
-        )
+        manager.restore(Path("old.pt"), saved_state(cfg, model=other.state_dict()))
+
+
+def test_a_part_is_registered_once_and_must_be_stateful() -> None:
+    manager, _ = manager_with(Config())
+    with pytest.raises(ValueError, match="'model' is registered already"):
+        manager.register("model", Recorder())
+    with pytest.raises(ValueError, match="'step' is registered already or reserved"):
+        manager.register("step", Recorder())
+    with pytest.raises(TypeError, match="object has no state_dict"):
+        manager.register("ema", object())  # type: ignore[arg-type]
+
+
+TINY = [
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=64",
+    "--data.synthetic_eval_size=32",
+    "--data.batch_size=16",
+    "--data.num_workers=0",
+    "--model.widths=4,8",
+    "--log.tensorboard=false",
+    "--log.mfu=false",
+    "--dist.preflight=false",
+]
+
+
+def test_new_checkpointed_state_is_one_registration(tmp_path) -> None:
+    """An extra part (here a running mean of the weights, as an EMA would keep) registered
+    with the Trainer's checkpoint manager is saved in every checkpoint and handed back,
+    exactly, to the next run that resumes from it."""
+
+    class WeightMean:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model, self.mean, self.count, self.loaded = model, None, 0, None
+
+        def update(self) -> None:
+            flat = torch.cat([p.detach().flatten() for p in self.model.parameters()])
+            self.count += 1
+            self.mean = flat if self.mean is None else self.mean + (flat - self.mean) / self.count
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"mean": self.mean, "count": self.count}
+
+        def load_state_dict(self, saved: dict[str, Any]) -> None:
+            self.loaded = saved
+
+    def run(epochs: int) -> WeightMean:
+        cfg = parse_args([f"--run.dir={tmp_path}", f"--train.epochs={epochs}", *TINY])
+        handler = resilience.PreemptionHandler(cfg.run.preempt_signals)
+        with train.Trainer(cfg, ONE, handler) as trainer:
+            mean = WeightMean(trainer.model)
+            trainer.checkpoints.register("weight_mean", mean)  # the one line that adds state
+            original = trainer.train_step
+
+            def step_and_update() -> resilience.Verdict:
+                verdict = original()
+                mean.update()
+                return verdict
+
+            trainer.train_step = step_and_update  # type: ignore[method-assign]
+            trainer.fit()
+        return mean
+
+    first = run(epochs=1)
+    saved = torch.load(tmp_path / "checkpoints" / "step_4.pt", weights_only=True)
+    assert saved["weight_mean"]["count"] == 4 and torch.equal(
+        saved["weight_mean"]["mean"], first.mean
+    )
+    second = run(epochs=2)
+    assert second.loaded is not None and second.loaded["count"] == 4
+    assert torch.equal(second.loaded["mean"], first.mean)
 
 
 def test_syncbatch_on_cpu_ranks_is_refused() -> None:

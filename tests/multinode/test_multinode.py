@@ -215,6 +215,7 @@ def test_sigkill_on_one_node_restarts_both_and_matches_a_clean_run(tmp_path) -> 
             port=29401,
             MAX_RESTARTS="1",
             TRAIN_FAULTS="sigkill@step=3,rank=1",
+            TRAIN_SCRIPT="tests/faults.py",
         )
     assert [r.returncode for r in clean] == [0, 0]
     assert [r.returncode for r in killed] == [0, 0], killed[0].stdout[-3000:]

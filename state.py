@@ -1,0 +1,485 @@
+"""What a checkpoint holds, and how a run saves it and resumes from it.
+
+Every stateful part of a run (model, optimizer, scheduler, scaler, position, random
+generators, sample ledger) follows the `torch.distributed.checkpoint.stateful.Stateful`
+protocol, `state_dict()` / `load_state_dict()`, and is registered by name with the
+`CheckpointManager`. The manager owns the rest: which checkpoint a run resumes from (rank 0
+chooses, every rank loads the same file), whether this run can continue it, when saves
+happen, the metadata beside the parts, and the write (rank 0, atomic, verified, optionally in
+the background; see checkpoint.py for the on-disk guarantees). Adding saved state is one
+`manager.register(name, part)`.
+
+A part's `state_dict` may be a collective (the random generators and the ledger gather every
+rank's): the manager calls it on every rank, and only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+
+import checkpoint
+import distributed
+import resilience
+import rundir
+from config import Config, ConfigError, global_batch_size
+from distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # 1: before named parts (step, epoch, samples_in_epoch, step_in_epoch at the top)
+# Settings whose change alters the math of the resumed run; reported when they differ.
+MATH_SECTIONS = ("data", "model", "optim", "train")
+NON_MATH_KEYS = {
+    "data.root",
+    "data.download",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.eval_batch_size",
+    "data.batch_size",  # the global batch is compared instead
+    "data.global_batch_size",
+    "data.loader",
+    "data.prepare_timeout_s",
+    "train.epochs",
+    "train.max_steps",
+    "train.compile",
+    "train.max_nonfinite_steps",
+    "train.cuda_fast_math",
+    "model.channels_last",
+    "optim.impl",
+}
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """torch.distributed.checkpoint.stateful.Stateful, restated so that any object with the
+    two methods registers (torch's own optimizers, schedulers and scalers among them)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parts
+
+
+@dataclass
+class Position:
+    """Where training stands: optimizer steps done, and the loader's place in which epoch.
+
+    `samples_in_epoch` (summed over ranks) is what a resume continues from: it means the same
+    on any world size, and the sampler hands the new ranks the rest of the epoch.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.samples_in_epoch = int(state["samples_in_epoch"])
+
+
+class ModelState:
+    """The bare model's weights and buffers (no `module.` or `_orig_mod.` prefixes).
+
+    Saves rank 0's BatchNorm statistics as they are, without averaging them over ranks: DDP
+    broadcasts rank 0's buffers at the start of the next forward anyway, so they are the
+    model's true state, and leaving them alone keeps a run with checkpoints bit-identical to
+    one without (evaluation, at epoch ends, averages them in every run alike).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return distributed.unwrap_model(self.model).state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        distributed.unwrap_model(self.model).load_state_dict(state)
+
+
+class SchedulerState:
+    """The LR schedule's step count, and this run's optimizer settings put back after loading.
+
+    `optimizer.load_state_dict` restores each group's lr, momentum, weight decay, betas (and
+    the kernel choice), `scheduler.load_state_dict` the peak lrs (`base_lrs`): without this a
+    changed --optim.lr or --optim.weight_decay would be ignored while the new checkpoint's
+    config records it. The step count (`last_epoch`) and the optimizer's per-parameter state
+    (momentum buffers, Adam moments) stay as loaded; the lr becomes this run's schedule at the
+    current step. Register it after the optimizer. Changes are logged as checkpoint -> now.
+    """
+
+    def __init__(
+        self, scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.scheduler, self.optimizer = scheduler, optimizer
+        # What this run's config built: loading replaces it with the checkpoint's values.
+        self.configured = [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+        ]
+        self.base_lrs = list(scheduler.base_lrs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        changed: dict[str, tuple[Any, Any]] = {}
+        groups = self.optimizer.param_groups
+        for group, wanted, base_lr in zip(groups, self.configured, self.base_lrs, strict=True):
+            if group.get("initial_lr") != base_lr:
+                changed.setdefault("peak lr", (group.get("initial_lr"), base_lr))
+            group["initial_lr"] = base_lr
+            for key, value in wanted.items():
+                if key not in ("lr", "initial_lr") and group.get(key) != value:
+                    changed.setdefault(key, (group.get(key), value))
+                    group[key] = value
+        scheduler = self.scheduler
+        scheduler.base_lrs = list(self.base_lrs)
+        lrs = [
+            base_lr * lr_lambda(scheduler.last_epoch)
+            for lr_lambda, base_lr in zip(scheduler.lr_lambdas, self.base_lrs, strict=True)
+        ]
+        for group, lr in zip(groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
+        if changed:
+            log.info(
+                "resumed optimizer now uses the configured settings (checkpoint -> now): %s; "
+                "lr at step %d is %.6g",
+                "; ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()),
+                scheduler.last_epoch,
+                lrs[0],
+            )
+
+
+class ScalerState:
+    """The fp16 GradScaler (an empty state when disabled: bf16 and fp32 need none)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
+        elif self.scaler.is_enabled():
+            log.warning("the checkpoint has no fp16 GradScaler state: starting a fresh scaler")
+
+
+class RngState:
+    """Every rank's random generators (python, numpy, torch, CUDA): a collective to save.
+
+    Resumed on another world size there is no saved state for some ranks: every rank then
+    reseeds deterministically from (seed, rank, step).
+    """
+
+    def __init__(self, info: DistInfo, seed: int, position: Position) -> None:
+        self.info, self.seed, self.position = info, seed, position
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"per_rank": distributed.all_gather_object(resilience.rng_state())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        per_rank = state["per_rank"]
+        if len(per_rank) == self.info.world_size:
+            resilience.set_rng_state(per_rank[self.info.rank])
+            return
+        seed_everything(self.seed + self.info.rank + 7919 * self.position.step)
+        log.info("world size changed: random generators reseeded from (seed, rank, step)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from: its path and what it says beside the parts."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def pending_eval(self) -> bool:
+        return bool(self.meta.get("pending_eval"))
+
+
+class CheckpointManager:
+    """Owns what a checkpoint holds, when it is written, and resuming from one."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        info: DistInfo,
+        num_train: int,
+        data_fingerprint: str,
+        lease: rundir.Lease | None = None,
+    ) -> None:
+        self.cfg, self.info = cfg, info
+        self.num_train, self.data_fingerprint = num_train, data_fingerprint
+        self.lease = lease  # rank 0's hold on the run dir: checked before every write
+        self.directory = checkpoint.checkpoint_dir(cfg.run.dir)
+        self.saver = checkpoint.AsyncSaver() if cfg.ckpt.async_save else None
+        self.parts: dict[str, Stateful] = {}
+        self.total_steps = 0  # recorded in checkpoints, to report a changed schedule on resume
+
+    def register(self, name: str, part: Stateful) -> None:
+        """Save `part` under `name` from now on; resuming loads it in registration order."""
+        if not isinstance(part, Stateful):
+            raise TypeError(f"{name}: {type(part).__name__} has no state_dict/load_state_dict")
+        if name in self.parts or name in _META_KEYS:
+            raise ValueError(f"checkpoint part {name!r} is registered already or reserved")
+        self.parts[name] = part
+
+    def due(self, step: int) -> bool:
+        """Whether `ckpt.every_steps` asks for a checkpoint after `step` steps."""
+        every = self.cfg.ckpt.every_steps
+        return bool(every) and step % every == 0
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        accuracy: float | None = None,
+        *,
+        pending_eval: bool = False,
+        wait: bool = False,
+    ) -> None:
+        """Collective: every rank states its parts, rank 0 writes, every rank learns the outcome.
+
+        With ckpt.async_save the write finishes in the background unless `wait`; a failure of
+        the previous write is raised here.
+        `pending_eval`: written where an evaluation is owed (a preemption at the end of an
+        epoch): the resumed run evaluates first, exactly as this one would have.
+        """
+        parts = {name: part.state_dict() for name, part in self.parts.items()}
+
+        def write() -> None:
+            if self.lease is not None:
+                self.lease.check()  # another job took the run dir over: write nothing
+            state = {**parts, **self._meta(step, accuracy, pending_eval)}
+            if self.saver is None:
+                checkpoint.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
+                return
+            self.saver.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
+            if wait:
+                self.saver.wait()
+
+        distributed.run_on_main(self.info, f"saving the step {step} checkpoint", write)
+
+    def _meta(self, step: int, accuracy: float | None, pending_eval: bool) -> dict[str, Any]:
+        config_dict, config_hash = _config_record(self.cfg)
+        return {
+            "format": FORMAT,
+            "step": step,
+            "eval_accuracy": accuracy,
+            "pending_eval": pending_eval,
+            "total_steps": self.total_steps,
+            "world_size": self.info.world_size,
+            "global_batch_size": global_batch_size(self.cfg, self.info.world_size),
+            "data_fingerprint": self.data_fingerprint,
+            "config": config_dict,
+            "config_hash": config_hash,
+            "torch_version": str(torch.__version__),  # a plain str: weights_only loads it
+        }
+
+    def wait(self) -> None:
+        """Collective: wait for a background write; raise everywhere if it failed."""
+        if self.saver is not None:
+            distributed.run_on_main(self.info, "finishing the last checkpoint", self.saver.wait)
+
+    def close(self) -> None:
+        """Let a write in flight finish (its error was or is reported elsewhere)."""
+        if self.saver is not None:
+            try:
+                self.saver.wait()
+            except Exception as err:
+                log.warning("the last checkpoint write failed: %s", err)
+
+    # -- resuming ------------------------------------------------------------------------------
+
+    def resume(self) -> Resumed | None:
+        """Load the checkpoint to continue from into every registered part (None: start fresh).
+
+        Collective. Rank 0 chooses and broadcasts the path, so all ranks load the same file
+        even when a shared filesystem shows them different directory listings; a rank that
+        cannot load it fails every rank.
+        """
+        loaded = self._load_chosen()
+        return None if loaded is None else self.restore(*loaded)
+
+    def restore(self, path: Path, state: dict[str, Any]) -> Resumed:
+        """Check that this run can continue `state` (loaded from `path`), load every part."""
+        state = upgrade(state, path)
+        self.check_compatible(path, state)
+        for name, part in self.parts.items():
+            try:
+                part.load_state_dict(state[name])
+            except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {path} does not fit this run's {name} (did model.* or "
+                    f"optim.name change?): {err}"
+                ) from err
+        meta = {key: state[key] for key in _META_KEYS if key in state}
+        return Resumed(path, meta)
+
+    def _load_chosen(self) -> tuple[Path, dict[str, Any]] | None:
+        cfg, info = self.cfg, self.info
+        chosen: list[tuple[Path, dict[str, Any]] | None] = []
+
+        def choose() -> None:
+            resume = cfg.ckpt.resume
+            if resume not in ("auto", "never") and rundir.continues_from_own_checkpoints(
+                Path(cfg.run.dir), resume
+            ):
+                log.info(
+                    "ckpt.resume=%s started this run: continuing from its own checkpoints", resume
+                )
+                resume = "auto"  # a restart repeating the command: PATH only initialised the run
+            found = checkpoint.load_for_resume(resume, cfg.run.dir, info.device)
+            checkpoint.refuse_later_checkpoints(
+                cfg.run.dir, found[1]["step"] if found else 0, resume
+            )
+            chosen.append(found)
+
+        distributed.run_on_main(info, "choosing the checkpoint to resume from", choose)
+        path = distributed.broadcast_object(str(chosen[0][0]) if chosen and chosen[0] else None)
+        if path is None:
+            return None
+        state: dict[str, Any] | None = chosen[0][1] if chosen and chosen[0] else None
+        error: Exception | None = None
+        if state is None:  # every rank but 0
+            try:
+                state = checkpoint.load(path, info.device)
+            except Exception as err:  # e.g. this node cannot see rank 0's file: never skip the vote
+                error = err
+        distributed.raise_if_any_failed(info, error, f"loading {path}")
+        assert state is not None
+        return Path(path), state
+
+    def check_compatible(self, path: Path, state: dict[str, Any]) -> None:
+        """Refuse what cannot continue; report what changes the training math.
+
+        A different world size is fine, also mid-epoch: the position is a count of samples.
+        Changes of the global batch, the schedule, the model or the data are reported.
+        """
+        cfg, info = self.cfg, self.info
+        missing = [key for key in (*self.parts, *_REQUIRED_META) if key not in state]
+        if missing:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} lacks {', '.join(missing)}: not written by this version of "
+                "the pipeline"
+            )
+        old_name = state["config"].get("optim", {}).get("name", cfg.optim.name)
+        if old_name != cfg.optim.name:
+            raise ConfigError(
+                f"optim.name={cfg.optim.name!r} cannot resume checkpoint {path}, written with "
+                f"optim.name={old_name!r}: its optimizer state (momentum buffers or Adam "
+                f"moments) does not carry over. Resume with --optim.name={old_name}, or start a "
+                "new run.dir"
+            )
+        position = state.get("position", {})
+        if position.get("samples_in_epoch", 0) > self.num_train:
+            raise ConfigError(
+                f"checkpoint {path} is {position['samples_in_epoch']} samples into epoch "
+                f"{position['epoch']}, but an epoch of this run has {self.num_train} samples: "
+                "the dataset or data.subset changed"
+            )
+        old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
+        changed = [
+            f"{key} {old.get(key)!r} -> {new[key]!r}"
+            for key in sorted(new)
+            if key.split(".")[0] in MATH_SECTIONS
+            and key not in NON_MATH_KEYS
+            and old.get(key) != new[key]
+        ]
+        this_batch = global_batch_size(cfg, info.world_size)
+        if state["global_batch_size"] != this_batch:
+            changed.append(
+                f"global batch {state['global_batch_size']} ({state['world_size']} ranks) -> "
+                f"{this_batch} ({info.world_size} ranks)"
+            )
+        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
+            changed.append("the training or evaluation data")
+        if changed:
+            log.warning(
+                "resuming %s with settings that change the training math: %s",
+                path,
+                "; ".join(changed),
+            )
+
+
+_REQUIRED_META = ("step", "world_size", "global_batch_size", "config")
+_META_KEYS = (
+    "format",
+    "step",
+    "eval_accuracy",
+    "pending_eval",
+    "total_steps",
+    "world_size",
+    "global_batch_size",
+    "data_fingerprint",
+    "config",
+    "config_hash",
+    "torch_version",
+)
+
+
+def upgrade(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A checkpoint of an older format in today's layout (format 1: before named parts)."""
+    version = state.get("format", 1)
+    if version == FORMAT:
+        return state
+    if version != 1:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} has format {version!r}, newer than this pipeline's {FORMAT}: "
+            "resume it with the version of the pipeline that wrote it"
+        )
+    state = dict(state)
+    if {"epoch", "samples_in_epoch"} <= state.keys():
+        state["position"] = {
+            "step": state["step"],
+            "epoch": state.pop("epoch"),
+            "samples_in_epoch": state.pop("samples_in_epoch"),
+        }
+    state.pop("step_in_epoch", None)  # never used
+    if isinstance(state.get("rng"), list):
+        state["rng"] = {"per_rank": state["rng"]}
+    return state
+
+
+def _flatten(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {
+        f"{section}.{name}": list(value) if isinstance(value, tuple) else value
+        for section, fields in sections.items()
+        for name, value in fields.items()
+    }
+
+
+@functools.cache
+def _config_record(cfg: Config) -> tuple[dict[str, Any], str]:
+    """The config as saved in checkpoints, computed once per run (saves wait for it)."""
+    return cfg.to_dict(), cfg.fingerprint()
