@@ -638,6 +638,16 @@ def set_epoch(loader: DataLoader | DeviceLoader, epoch: int, consumed: int = 0) 
     sampler.set_epoch(epoch, consumed)
 
 
+def close_loader(loader: DataLoader | DeviceLoader) -> None:
+    """Stop a loader's persistent workers now. Otherwise they stop when the loader is garbage
+    collected, and an interpreter that exits first waits for them forever (multiprocessing
+    joins its children at exit, while the workers wait for their parent to tell them)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None  # type: ignore[union-attr]
+
+
 class Preprocess:
     """Move a uint8 batch to the device and normalise it there."""
 

@@ -241,7 +241,7 @@ class Trainer:
         try:
             return self.train_steps(steps)
         finally:
-            self.batches = None  # its loader workers stop before evaluation starts its own
+            self.batches = None  # the next epoch reopens it where the position says
 
     def train_steps(self, num_steps: int) -> str | None:
         """`num_steps` optimizer steps (with the periodic checkpoints of ckpt.every_steps).
@@ -370,8 +370,11 @@ class Trainer:
         }
 
     def close(self) -> None:
-        """Let a checkpoint write in flight finish, close the metrics sinks."""
+        """Let a checkpoint write in flight finish; stop the loader workers; close the sinks."""
         self.checkpoints.close()
+        self.batches = None
+        for loader in (self.train_loader, self.eval_loader):
+            data.close_loader(loader)
         self.instruments.close()
 
     def __enter__(self) -> Trainer:

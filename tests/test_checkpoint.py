@@ -282,7 +282,11 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survi
     Before the manifest exists step 1 must survive; after it, step 2 is complete."""
     directory = checkpoint.checkpoint_dir(tmp_path)
     checkpoint.save({"model": {"w": torch.full((200_000,), 1.0)}, "step": 1}, directory, 1, 1, 0.9)
-    env = {**os.environ, "TRAIN_FAULTS": f"sigkill@save={stage}", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    env = {
+        **os.environ,
+        "TRAIN_FAULTS": f"sigkill@save={stage}",
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+    }
     proc = subprocess.run(
         [sys.executable, "-c", _SAVE_AGAIN, str(tmp_path)], env=env, cwd=REPO, timeout=120
     )
@@ -316,7 +320,11 @@ def test_sigkill_during_a_resave_of_the_same_step_keeps_it_loadable(tmp_path, st
     the old bytes until the new ones are renamed into place, as the new ones after."""
     directory = checkpoint.checkpoint_dir(tmp_path)
     checkpoint.save({"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}, directory, 2, 1, 0.4)
-    env = {**os.environ, "TRAIN_FAULTS": f"sigkill@save={stage}", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    env = {
+        **os.environ,
+        "TRAIN_FAULTS": f"sigkill@save={stage}",
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+    }
     proc = subprocess.run(
         [sys.executable, "-c", _RESAVE, str(tmp_path)], env=env, cwd=REPO, timeout=120
     )

@@ -469,7 +469,7 @@ def test_hung_rank_is_aborted_and_the_group_restarts(tmp_path, reference_2) -> N
 def test_mid_epoch_resume_on_another_world_size_sees_each_sample_once(tmp_path) -> None:
     run_dir = tmp_path / "run"
     first = launch(run_dir, 2, faults="sigterm@step=3,rank=0")  # stops at step 4: epoch 1
-    assert final_state(run_dir)["samples_in_epoch"] == 1 * BATCH * ACCUM * 2
+    assert final_state(run_dir)["position"]["samples_in_epoch"] == 1 * BATCH * ACCUM * 2
     second = launch(run_dir, 1)
     assert second.returncode == 0, first.output[-2000:] + second.output[-3000:]
     assert "global batch 64 (2 ranks) -> 32 (1 ranks)" in second.output
@@ -586,6 +586,7 @@ def test_torchrun_restarts_without_progress_end_the_launcher_with_exit_76(tmp_pa
     """The same under one torchrun whose restarts each die: launch_multinode.sh exits 76."""
     kills = ";".join(f"sigkill@step=1,rank=1,restart={k}" for k in range(3))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": kills, "MAX_RESTARTS": "5"}
+    env.update(TRAIN_SCRIPT="tests/faults.py")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="1")
     env.update(NODE_RANK="0", NPROC_PER_NODE="2")
     proc = subprocess.run(
