@@ -315,7 +315,8 @@ def test_pytorchjob_manifest() -> None:
     assert elastic["maxRestarts"] >= 1
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["restartPolicy"] == "OnFailure"
-    # A fixed size: train.py refuses to resume mid-epoch with another world size.
+    # A fixed size: resuming on another world size works (even mid-epoch), but a job whose size
+    # changes under it would change the global batch, and so the training math, mid-run.
     assert elastic["minReplicas"] == elastic["maxReplicas"] == worker["replicas"] >= 2
 
     pod = worker["template"]["spec"]
