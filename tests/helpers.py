@@ -40,6 +40,10 @@ def _entry(
             backend="gloo",
         )
         torch.save(fn(info, *args), f"{out}.{rank}")
+        # No rank tears its gloo pairs down while a peer may still use them: a rank that
+        # destroyed its group early has made its peers abort ("terminate called without an
+        # active exception") under load in CI.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
