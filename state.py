@@ -2,7 +2,8 @@
 
 Every stateful part of a run (model, optimizer, scheduler, scaler, position, random
 generators, sample ledger) follows the `torch.distributed.checkpoint.stateful.Stateful`
-protocol, `state_dict()` / `load_state_dict()`, and is registered by name with the
+protocol (`state_dict()` / `load_state_dict()`;
+torch's own optimizers, schedulers and scalers already do), and is registered by name with the
 `CheckpointManager`. The manager owns the rest: which checkpoint a run resumes from (rank 0
 chooses, every rank loads the same file), whether this run can continue it, when saves
 happen, the metadata beside the parts, and the write (rank 0, atomic, verified, optionally in
@@ -20,11 +21,12 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkable Protocol
 
 import checkpoint
 import distributed
@@ -56,16 +58,6 @@ NON_MATH_KEYS = {
     "model.channels_last",
     "optim.impl",
 }
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """torch.distributed.checkpoint.stateful.Stateful, restated so that any object with the
-    two methods registers (torch's own optimizers, schedulers and scalers among them)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def seed_everything(seed: int) -> None:
