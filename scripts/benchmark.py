@@ -69,11 +69,9 @@ import train  # noqa: E402
 from config import (  # noqa: E402
     Config,
     ConfigError,
-    build_config,
     for_world_size,
     global_batch_size,
-    load_toml,
-    split_argv,
+    parse_args,
 )
 from distributed import DistInfo  # noqa: E402
 
@@ -904,8 +902,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         help="also report when RUN_DIR/metrics.jsonl first reached 90%% and 92%% accuracy",
     )
     args, rest = parser.parse_known_args(argv)
-    config_file, overrides = split_argv(rest)
-    return args, build_config(load_toml(config_file) if config_file else {}, overrides)
+    return args, parse_args(rest, prog="scripts/benchmark.py")
 
 
 def main(argv: list[str] | None = None) -> int:

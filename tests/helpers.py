@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 import uuid
@@ -110,3 +111,9 @@ def wait_for_train_rows(run_dir: Path, proc: Any, rows: int = 1, timeout: float 
         assert time.monotonic() < deadline, f"no {rows} training rows in {metrics}"
         assert proc.poll() is None, f"the run ended ({proc.returncode}) before {rows} rows"
         time.sleep(0.1)
+
+
+def unboxed(text: str) -> str:
+    """tyro's message boxes as plain text: frames gone, each run of whitespace one space (a
+    message wrapped inside a box reads as one line again)."""
+    return " ".join(re.sub(r"[│╭╮╰╯]|[─-]{3,}", " ", text).split())
