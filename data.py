@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
+import auto
 import distributed
 from config import ConfigError, DataConfig
 from distributed import DistInfo
@@ -577,26 +578,22 @@ def in_memory(dataset: Dataset) -> ImageTensors | None:
     return None
 
 
-def _use_device_path(cfg: DataConfig, base: ImageTensors | None, device: torch.device) -> bool:
-    if cfg.loader == "dataloader":
-        return False
-    if base is None:
-        if cfg.loader == "device":
-            raise ConfigError(
-                f"data.loader=device needs an in-memory dataset; data.dataset={cfg.dataset} is "
-                "read from files: use data.loader=dataloader or auto"
-            )
-        return False
-    if cfg.loader == "device" or device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(device)
-    return base.images.numel() < free // 4
+def in_memory_numel(dataset: Dataset) -> int | None:
+    """Elements of the dataset's images when it is held in memory (ImageTensors, or a Subset of
+    one), without copying it; None for a dataset read from files."""
+    if isinstance(dataset, ImageTensors):
+        return dataset.images.numel()
+    if isinstance(dataset, Subset) and isinstance(dataset.dataset, ImageTensors):
+        images = dataset.dataset.images
+        return len(dataset.indices) * images[0].numel() if len(images) else 0
+    return None
 
 
 def build_train_loader(
-    splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int
+    splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int, loader: str | None = None
 ) -> DataLoader | DeviceLoader:
-    """The training loader: `DeviceLoader` or a DataLoader (see data.loader)."""
+    """The training loader: `DeviceLoader` or a DataLoader, as `loader` (device or dataloader)
+    says; by default as data.loader resolves here (auto.loader)."""
     dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
     sampler = EpochSampler(dataset, info, seed)
     if len(sampler) < cfg.batch_size:
@@ -605,9 +602,11 @@ def build_train_loader(
             f"{info.world_size} ranks gets {len(sampler)} of the {len(dataset)} training "
             "samples; lower data.batch_size (or use fewer ranks)"
         )
-    base = in_memory(splits.train) if cfg.loader != "dataloader" else None
-    if _use_device_path(cfg, base, info.device):
-        assert base is not None
+    if loader is None:
+        loader = auto.loader(cfg.loader, cfg.dataset, in_memory_numel(splits.train), info.device)
+    if loader == "device":
+        base = in_memory(splits.train)
+        assert base is not None, "auto.loader chose the device path for a dataset read from files"
         return DeviceLoader(base, sampler, cfg, seed, info.device)
     return DataLoader(
         dataset,

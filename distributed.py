@@ -27,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record as record
 from torch.nn.parallel import DistributedDataParallel
 
+import auto
 from config import ConfigError, DistConfig
 
 log = logging.getLogger(__name__)
@@ -75,17 +76,6 @@ def read_env() -> tuple[int, int, int] | None:
             f"WORLD_SIZE={world_size}"
         )
     return rank, local_rank, world_size
-
-
-def resolve_backend(requested: str) -> str:
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "dist.backend=nccl needs CUDA GPUs, but torch.cuda.is_available() is "
-            "False on this host; use --dist.backend=gloo (or auto) on CPU"
-        )
-    return requested
 
 
 def collective_grace_s(timeout_s: float) -> float:
@@ -140,7 +130,7 @@ def setup(cfg: DistConfig) -> DistInfo:
             torch.cuda.set_device(device)
         return DistInfo(rank=0, local_rank=0, world_size=1, device=device)
     rank, local_rank, world_size = env
-    backend = resolve_backend(cfg.backend)
+    backend = auto.backend(cfg.backend)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():

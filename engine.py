@@ -15,20 +15,11 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+import auto
 import distributed
 from config import OptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for `--train.amp` on `device`, or None for full precision."""
-    if amp == "auto":
-        # including_emulation=False: pre-Ampere GPUs emulate bf16 slowly; use fp32 there.
-        if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-            return torch.bfloat16
-        return None
-    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -42,10 +33,8 @@ def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.Gr
     return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
-def optimizer_kernels(impl: str, device: torch.device) -> dict[str, bool]:
-    """The `fused`/`foreach` keyword arguments for `--optim.impl` on `device`."""
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+def optimizer_kernels(impl: str) -> dict[str, bool]:
+    """The `fused`/`foreach` keyword arguments for a resolved `optim.impl` (auto.optimizer_impl)."""
     return {"fused": impl == "fused", "foreach": impl == "foreach"}
 
 
@@ -58,7 +47,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": no_decay, "weight_decay": 0.0},
     ]
     device = next(model.parameters()).device
-    kernels = optimizer_kernels(cfg.impl, device)
+    kernels = optimizer_kernels(auto.optimizer_impl(cfg.impl, device))
     if cfg.name == "sgd":
         return torch.optim.SGD(
             groups,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import auto
 import distributed
 import resilience
 from config import Config
@@ -296,8 +296,7 @@ def _profiler(cfg: Config, info: DistInfo, first_step: int) -> Any:
 
 
 def _progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
-    show = cfg.log.progress == "on" or (cfg.log.progress == "auto" and sys.stderr.isatty())
-    if not (info.is_main and show):
+    if not (info.is_main and auto.progress(cfg.log.progress)):
         return contextlib.nullcontext()
     from tqdm import tqdm
 

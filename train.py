@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import auto
 import checkpoint
 import data
 import distributed
@@ -81,9 +82,13 @@ class Trainer:
         # After preflight, so that a run.dir differing between nodes is reported as a config
         # mismatch rather than as a run dir that is not shared.
         check_run_dir_shared(info, self.run_dir)
-        self.train_loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
+        self.auto = auto.resolve(cfg, info.device, data.in_memory_numel(splits.train))
+        log.info("settings: %s", self.auto.describe(cfg))
+        self.train_loader = data.build_train_loader(
+            splits, cfg.data, info, cfg.train.seed, self.auto.loader
+        )
         self.eval_loader = data.build_eval_loader(splits, cfg.data, info, cfg.train.seed)
-        self.preprocess = data.Preprocess(splits, info.device, channels_last(cfg, info))
+        self.preprocess = data.Preprocess(splits, info.device, self.auto.channels_last)
         self.num_train = len(splits.train)  # type: ignore[arg-type]
         self.position = state.Position()
         self.steps_per_epoch = self.steps_left_in_epoch(consumed=0)
@@ -94,11 +99,11 @@ class Trainer:
                 "data.batch_size"
             )
         self.samples_per_step = global_batch_size(cfg, info.world_size)
-        model = build_model(cfg, splits, info)
+        model = build_model(cfg, splits, info, self.auto.channels_last)
         self.optimizer = engine.build_optimizer(model, cfg.optim)
         # The schedule's length is read at each step: resuming may change it (total_steps).
         self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
-        self.amp_dtype = engine.resolve_amp(cfg.train.amp, info.device)
+        self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(info.device, self.amp_dtype)
         self.loss_fn: nn.Module = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.ledger = resilience.SampleLedger()
@@ -116,7 +121,7 @@ class Trainer:
         ):
             self.checkpoints.register(name, part)
         self.model = distributed.wrap_model(model, info, cfg.dist)
-        if on_cuda_by_default(cfg.train.compile, info):
+        if self.auto.compile:
             self.model = torch.compile(self.model)
         self.buffers = engine.BufferSnapshot(self.model)
         self.guard = resilience.StepGuard(
@@ -399,18 +404,6 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def on_cuda_by_default(setting: str, info: DistInfo) -> bool:
-    """An auto/on/off speed setting: auto means on for CUDA devices, off elsewhere."""
-    return setting == "on" or (setting == "auto" and info.device.type == "cuda")
-
-
-def channels_last(cfg: Config, info: DistInfo) -> bool:
-    """auto = on: NHWC suits tensor cores on CUDA and oneDNN's convolutions on CPU (measured
-    +22% to +54% samples/s for the default job on 2 CPU cores, BENCHMARKS.md)."""
-    setting = cfg.model.channels_last
-    return setting == "on" or (setting == "auto" and info.device.type in ("cuda", "cpu"))
-
-
 def configure_cuda(cfg: Config, info: DistInfo) -> None:
     """cudnn autotuning (fixed input shapes) and TF32 for fp32 matmuls and convolutions."""
     if info.device.type != "cuda" or not cfg.train.cuda_fast_math:
@@ -420,7 +413,13 @@ def configure_cuda(cfg: Config, info: DistInfo) -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
-def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Module:
+def build_model(
+    cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
+) -> nn.Module:
+    """The model on this rank's device, the same initial weights on every rank; in
+    channels_last memory format as model.channels_last resolves (auto.channels_last)."""
+    if channels_last is None:
+        channels_last = auto.channels_last(cfg.model.channels_last, info.device)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model: nn.Module = MiniResNet(
         in_channels=splits.in_channels,
@@ -437,7 +436,7 @@ def build_model(cfg: Config, splits: data.DataSplits, info: DistInfo) -> nn.Modu
                 "GPUs only); use model.norm=batch or group on CPU"
             )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    memory_format = torch.channels_last if channels_last(cfg, info) else torch.preserve_format
+    memory_format = torch.channels_last if channels_last else torch.preserve_format
     return model.to(device=info.device, memory_format=memory_format)
 
 

@@ -59,6 +59,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
 
+import auto  # noqa: E402
 import checkpoint  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
@@ -278,7 +279,7 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
     the math: SGD (momentum, Nesterov) or AdamW, weight decay on conv/linear weights only.
     """
     model = distributed.wrap_model(copy.deepcopy(distributed.unwrap_model(pipeline.model)), info)
-    if train.on_cuda_by_default(cfg.train.compile, info):
+    if auto.compile_model(cfg.train.compile, info.device):
         model = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -287,7 +288,7 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
     ]
     o = cfg.optim
     optimizer: torch.optim.Optimizer
-    kernels = engine.optimizer_kernels(o.impl, info.device)  # the same kernels: same speed
+    kernels = engine.optimizer_kernels(auto.optimizer_impl(o.impl, info.device))  # same speed
     if o.name == "sgd":
         nesterov = o.nesterov and o.momentum > 0
         optimizer = torch.optim.SGD(
@@ -306,7 +307,7 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
         mean=mean,
         inv_std=1.0 / std,
         memory_format=torch.channels_last
-        if train.channels_last(cfg, info)
+        if auto.channels_last(cfg.model.channels_last, info.device)
         else torch.contiguous_format,
         amp_dtype=pipeline.amp_dtype,
         label_smoothing=o.label_smoothing,
@@ -453,7 +454,9 @@ def measure_loader(
     ranks, so the headroom a run sees on a small machine is lower.
     """
     loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
-    preprocess = data.Preprocess(splits, info.device, train.channels_last(cfg, info))
+    preprocess = data.Preprocess(
+        splits, info.device, auto.channels_last(cfg.model.channels_last, info.device)
+    )
     batches = endless(loader)
 
     def take(num_batches: int) -> None:

@@ -11,6 +11,7 @@ from PIL import Image
 from torch.utils.data import Subset
 from torchvision import datasets
 
+import auto
 import data
 from config import DataConfig
 from distributed import DistInfo
@@ -299,4 +300,4 @@ def test_device_path_needs_an_in_memory_dataset(tmp_path) -> None:
     from config import ConfigError
 
     with pytest.raises(ConfigError, match="data.loader=device needs an in-memory dataset"):
-        data._use_device_path(DataConfig(loader="device", dataset="imagefolder"), None, CPU)
+        auto.loader("device", "imagefolder", None, CPU)

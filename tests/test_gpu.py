@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import REPO
 
-import engine
+import auto
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +29,7 @@ JOB = [
 
 def test_auto_precision_is_bf16_on_ampere_or_newer() -> None:
     expected = torch.bfloat16 if torch.cuda.get_device_capability()[0] >= 8 else None
-    assert engine.resolve_amp("auto", torch.device("cuda", 0)) == expected
+    assert auto.amp("auto", torch.device("cuda", 0)) == expected
 
 
 @pytest.mark.slow

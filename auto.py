@@ -1,0 +1,128 @@
+"""Every "auto" setting, resolved in one place for the device at hand, and logged.
+
+The config keeps what the user asked for, "auto" included: a run resumed on other hardware
+resolves again (a CPU run continued on a GPU gets bf16 and fused kernels there). Each rule is
+one function below; `resolve` applies them all, and `Auto.describe` is the log line that says
+what each became.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from config import Config, ConfigError
+
+
+def backend(requested: str) -> str:
+    """dist.backend: auto = nccl when CUDA is available, gloo otherwise."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            "dist.backend=nccl needs CUDA GPUs, but torch.cuda.is_available() is False on this "
+            "host; use --dist.backend=gloo (or auto) on CPU"
+        )
+    return requested
+
+
+def amp(setting: str, device: torch.device) -> torch.dtype | None:
+    """train.amp as an autocast dtype, None for full precision. auto = bf16 on CUDA devices
+    that run it natively; pre-Ampere GPUs emulate bf16 slowly, so fp32 there and on CPU."""
+    if setting == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16
+        return None
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[setting]
+
+
+def compile_model(setting: str, device: torch.device) -> bool:
+    """train.compile: auto = on CUDA (fused kernels pay for the compile), off on CPU."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def channels_last(setting: str, device: torch.device) -> bool:
+    """model.channels_last: auto = on for CUDA (tensor cores read NHWC) and CPU (so do
+    oneDNN's convolutions: +22% to +54% samples/s for the default job on 2 CPU cores,
+    BENCHMARKS.md)."""
+    return setting == "on" or (setting == "auto" and device.type in ("cuda", "cpu"))
+
+
+def optimizer_impl(setting: str, device: torch.device) -> str:
+    """optim.impl: auto = fused (one kernel) on CUDA, foreach elsewhere."""
+    if setting == "auto":
+        return "fused" if device.type == "cuda" else "foreach"
+    return setting
+
+
+def loader(setting: str, dataset: str, in_memory_numel: int | None, device: torch.device) -> str:
+    """data.loader: auto = device for an in-memory dataset (on CPU always; on a GPU when its
+    uint8 images take under a quarter of the free memory), dataloader otherwise."""
+    if setting == "dataloader":
+        return setting
+    if in_memory_numel is None:
+        if setting == "device":
+            raise ConfigError(
+                f"data.loader=device needs an in-memory dataset; data.dataset={dataset} is "
+                "read from files: use data.loader=dataloader or auto"
+            )
+        return "dataloader"
+    if setting == "device" or device.type != "cuda":
+        return "device"
+    free, _ = torch.cuda.mem_get_info(device)
+    return "device" if in_memory_numel < free // 4 else "dataloader"
+
+
+def progress(setting: str) -> bool:
+    """log.progress: auto = a progress bar only when stderr is a terminal."""
+    return setting == "on" or (setting == "auto" and sys.stderr.isatty())
+
+
+@dataclass(frozen=True)
+class Auto:
+    """What each auto/on/off setting is on this device (config key in each comment)."""
+
+    backend: str  # dist.backend
+    amp: torch.dtype | None  # train.amp
+    compile: bool  # train.compile
+    channels_last: bool  # model.channels_last
+    optimizer_impl: str  # optim.impl
+    loader: str  # data.loader
+    progress: bool  # log.progress
+
+    def describe(self, cfg: Config) -> str:
+        """`key=value` for every setting; `key=auto->value` where "auto" was resolved."""
+        asked = {
+            "dist.backend": cfg.dist.backend,
+            "train.amp": cfg.train.amp,
+            "train.compile": cfg.train.compile,
+            "model.channels_last": cfg.model.channels_last,
+            "optim.impl": cfg.optim.impl,
+            "data.loader": cfg.data.loader,
+            "log.progress": cfg.log.progress,
+        }
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "none"}
+        values = dataclasses.astuple(self)
+        parts = []
+        for (key, setting), value in zip(asked.items(), values, strict=True):
+            shown = names[value] if key == "train.amp" else value
+            shown = {True: "on", False: "off"}.get(shown, shown)
+            parts.append(f"{key}={setting}->{shown}" if setting == "auto" else f"{key}={shown}")
+        return ", ".join(parts)
+
+
+def resolve(cfg: Config, device: torch.device, in_memory_numel: int | None) -> Auto:
+    """Every setting for `device`; `in_memory_numel` is the training set's element count when
+    it is held in memory as one tensor (data.in_memory_numel), else None."""
+    return Auto(
+        backend=backend(cfg.dist.backend),
+        amp=amp(cfg.train.amp, device),
+        compile=compile_model(cfg.train.compile, device),
+        channels_last=channels_last(cfg.model.channels_last, device),
+        optimizer_impl=optimizer_impl(cfg.optim.impl, device),
+        loader=loader(cfg.data.loader, cfg.data.dataset, in_memory_numel, device),
+        progress=progress(cfg.log.progress),
+    )

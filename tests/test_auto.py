@@ -1,0 +1,68 @@
+"""Every "auto" setting: what it becomes on this CPU machine, and what the log line says."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import auto
+from config import Config, ConfigError
+
+CPU = torch.device("cpu")
+
+
+def test_auto_on_cpu_is_the_documented_cpu_choice_for_each_setting() -> None:
+    resolved = auto.resolve(Config(), CPU, in_memory_numel=1000)
+    assert resolved == auto.Auto(
+        backend="gloo" if not torch.cuda.is_available() else "nccl",
+        amp=None,  # fp32: CPUs gain nothing from autocast here
+        compile=False,
+        channels_last=True,  # oneDNN's convolutions prefer NHWC
+        optimizer_impl="foreach",
+        loader="device",  # in memory, and not a GPU whose free memory could be short
+        progress=False,  # pytest's stderr is not a terminal
+    )
+
+
+def test_explicit_settings_are_kept() -> None:
+    cfg = Config()
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, amp="bf16", compile="on"),
+        model=dataclasses.replace(cfg.model, channels_last="off"),
+        optim=dataclasses.replace(cfg.optim, impl="loop"),
+        data=dataclasses.replace(cfg.data, loader="dataloader"),
+        log=dataclasses.replace(cfg.log, progress="on"),
+        dist=dataclasses.replace(cfg.dist, backend="gloo"),
+    )
+    resolved = auto.resolve(cfg, CPU, in_memory_numel=1000)
+    assert resolved == auto.Auto("gloo", torch.bfloat16, True, False, "loop", "dataloader", True)
+    # Nothing was "auto": the log line states values without arrows.
+    assert "->" not in resolved.describe(cfg)
+
+
+def test_a_dataset_read_from_files_gets_the_dataloader() -> None:
+    assert auto.loader("auto", "imagefolder", None, CPU) == "dataloader"
+    with pytest.raises(ConfigError, match="data.loader=device needs an in-memory dataset"):
+        auto.loader("device", "imagefolder", None, CPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_nccl_without_cuda_is_bad_input() -> None:
+    with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA"):
+        auto.backend("nccl")
+
+
+def test_describe_names_each_setting_and_what_auto_became() -> None:
+    line = auto.resolve(Config(), CPU, in_memory_numel=None).describe(Config())
+    assert line.split(", ") == [
+        f"dist.backend=auto->{'nccl' if torch.cuda.is_available() else 'gloo'}",
+        "train.amp=auto->none",
+        "train.compile=auto->off",
+        "model.channels_last=auto->on",
+        "optim.impl=auto->foreach",
+        "data.loader=auto->dataloader",
+        "log.progress=auto->off",
+    ]
