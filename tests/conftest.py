@@ -10,6 +10,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 
 import data  # noqa: E402
 
+# The tiers (markers in pyproject.toml): unmarked tests run in this process and form the fast
+# tier; spawn, e2e, multinode and slurm tests start processes and are `slow` as well, so that
+# `-m "not slow"` is exactly the fast tier.
+SLOW_TIERS = ("spawn", "e2e", "multinode", "slurm")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
+            item.add_marker(pytest.mark.slow)
+
+
 FASHION_MNIST_AVAILABLE = data.DEBIAN_FASHION_MNIST.is_dir()
 
 # Under CI the dataset is part of the set-up: a missing one must fail the run, not skip it.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -65,6 +68,48 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     for rank in range(world_size):
         os.unlink(f"{out}.{rank}")
     return results
+
+
+def train_command(
+    nproc: int | None, *args: str, script: str = "train.py", restarts: int = 0
+) -> list[str]:
+    """`python SCRIPT ARGS` (nproc None: no launcher, as a user runs it on a laptop), or torchrun
+    with `nproc` workers on this host (--standalone: its own rendezvous on a free port)."""
+    if nproc is None:
+        return [sys.executable, script, *args]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += [f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"]
+    return [*launcher, script, *args]
+
+
+def launch(
+    nproc: int | None,
+    *args: str,
+    faults: str | None = None,
+    restarts: int = 0,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run a training job to its end (see `train_command`), one thread per worker. With
+    `faults` (a TRAIN_FAULTS spec), the entry point is tests/faults.py, which injects them.
+    The result's `output` is stdout and stderr together."""
+    script = "train.py" if faults is None else "tests/faults.py"
+    proc = subprocess.run(
+        train_command(nproc, *args, script=script, restarts=restarts),
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults or "", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    proc.output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
+    return proc
+
+
+def rows(run_dir: Path, kind: str) -> list[dict]:
+    """The run's metrics.jsonl rows of one kind ("train", "eval", ...), in order."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["kind"] == kind]
 
 
 def free_port() -> int:

@@ -18,7 +18,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -27,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import REPO, unboxed
+from helpers import REPO, train_command, unboxed
+
+pytestmark = pytest.mark.e2e
 
 PYTHON_BOUND_S = 20.0  # python train.py: ~10 s on 2 CPU cores, nearly all of it imports
 TORCHRUN_BOUND_S = 45.0  # launcher plus 2 ranks: ~21 s on 2 CPU cores
@@ -303,10 +304,7 @@ def fill(text: str, dirs: dict[str, Path], escape: bool) -> str:
 
 
 def command(torchrun: bool, args: list[str]) -> list[str]:
-    if torchrun:
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        return [sys.executable, *launcher, "train.py", *args]
-    return [sys.executable, "train.py", *args]
+    return train_command(2 if torchrun else None, *args)
 
 
 def processes_of(token: str, sid: int) -> list[str]:
@@ -426,9 +424,7 @@ def named(field: str, value: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.id, marks=pytest.mark.slow if c.torchrun else ()) for c in CASES]
-)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_bad_input_fails_fast_with_a_clear_message_and_changes_nothing(
     case: Case, tmp_path: Path
 ) -> None:
@@ -504,7 +500,6 @@ def fill_up(directory: Path) -> None:
         os.close(fd)
 
 
-@pytest.mark.slow
 def test_full_run_dir_fails_naming_it_and_keeps_existing_files(full_tmpfs: Path) -> None:
     run_dir = full_tmpfs / "run"
     run_dir.mkdir()
@@ -520,7 +515,6 @@ def test_full_run_dir_fails_naming_it_and_keeps_existing_files(full_tmpfs: Path)
     assert_failed_cleanly(outcome, PYTHON_BOUND_S, patterns, changes(before, snapshot(full_tmpfs)))
 
 
-@pytest.mark.slow
 def test_disk_filling_during_a_checkpoint_save_names_it_and_keeps_older_ones(
     full_tmpfs: Path,
 ) -> None:

@@ -89,7 +89,7 @@ def test_time_to_accuracy_takes_the_first_evaluation_at_each_target(tmp_path) ->
     assert found["92%"] is None
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quick_run_reports_every_figure(tmp_path) -> None:
     out = tmp_path / "benchmark.json"
     finished = tmp_path / "finished"

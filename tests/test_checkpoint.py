@@ -101,6 +101,7 @@ def _save_from_ddp(info: DistInfo, run_dir: str) -> list[str]:
     return []
 
 
+@pytest.mark.spawn
 def test_checkpoint_written_under_ddp_has_no_prefixes(tmp_path) -> None:
     run_ranks(_save_from_ddp, 2, tmp_path, str(tmp_path))
     state = torch.load(tmp_path / "checkpoints" / "step_0.pt", weights_only=True)
@@ -273,6 +274,7 @@ checkpoint.save(state, checkpoint.checkpoint_dir(sys.argv[1]), step=2, keep=1, a
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("stage", "survivor"),
     [("begin", 1), ("partial", 1), ("written", 1), ("renamed", 1), ("manifest", 2)],
@@ -310,6 +312,7 @@ checkpoint.save(state, checkpoint.checkpoint_dir(sys.argv[1]), step=2, keep=1, a
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("stage", "value"),
     [("begin", 2.0), ("partial", 2.0), ("written", 2.0), ("renamed", 3.0), ("manifest", 3.0)],

@@ -16,6 +16,8 @@ from config import DataConfig, DistConfig, OptimConfig
 from distributed import DistInfo
 from model import MiniResNet
 
+pytestmark = pytest.mark.spawn
+
 WIDTHS = (8, 16)
 LR = 0.05
 

@@ -18,11 +18,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
+import helpers
 import pytest
 import torch
 from helpers import (
@@ -30,10 +31,11 @@ from helpers import (
     assert_same_training_state,
     final_state,
     free_port,
+    train_command,
     wait_for_train_rows,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 N_TRAIN, BATCH, ACCUM, SEED, EPOCHS = 250, 16, 2, 0, 2
 P = 2_147_483_647
@@ -55,39 +57,21 @@ COMMON = [
 
 
 def launch(
-    run_dir: Path,
-    nproc: int,
-    *args: str,
-    faults: str = "",
-    restarts: int = 0,
-    timeout: int = 240,
-    env: dict[str, str] | None = None,
+    run_dir: Path, nproc: int, *args: str, faults: str = "", **options: Any
 ) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, "tests/faults.py"]
-    else:
-        cmd = [
-            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-            f"--nproc_per_node={nproc}",
-            f"--max-restarts={restarts}",
-            "tests/faults.py",
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults, **(env or {})}
-    proc = subprocess.run(
-        [*cmd, f"--run.dir={run_dir}", *COMMON, *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    """The fault job: one rank without a launcher, more under torchrun; faults.py injects."""
+    return helpers.launch(
+        None if nproc == 1 else nproc,
+        f"--run.dir={run_dir}",
+        *COMMON,
+        *args,
+        faults=faults,
+        **options,
     )
-    proc.output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
-    return proc
 
 
 def eval_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if row["kind"] == "eval"]
+    return helpers.rows(run_dir, "eval")
 
 
 def expected_digest(epoch: int, consumed: int) -> str:
@@ -327,8 +311,7 @@ def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path,
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        cmd += ["train.py"]
+        cmd = train_command(2)
         sig = signal.SIGTERM
     else:  # as Slurm does: the signal goes to every process of the launcher's group
         cmd = ["bash", "scripts/launch_multinode.sh"]
@@ -506,7 +489,7 @@ def test_a_second_job_in_a_run_dir_is_refused_naming_the_holder(tmp_path) -> Non
     run_dir = tmp_path / "run"
     log = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
-        [sys.executable, "train.py", f"--run.dir={run_dir}", *COMMON, "--train.epochs=400"],
+        train_command(None, f"--run.dir={run_dir}", *COMMON, "--train.epochs=400"),
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=log,

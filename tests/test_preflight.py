@@ -50,6 +50,7 @@ def _check(info: DistInfo) -> str:
     return "passed"
 
 
+@pytest.mark.spawn
 def test_every_rank_fails_on_a_mismatch_on_one_rank(tmp_path) -> None:
     messages = run_ranks(_check, 3, tmp_path)
     assert len(set(messages)) == 1  # the same message everywhere
@@ -60,6 +61,7 @@ def _bandwidth(info: DistInfo) -> list[dict]:
     return preflight.bandwidth(info, sizes_mb=(1, 4), repeats=3)
 
 
+@pytest.mark.spawn
 def test_bandwidth_reports_every_size(tmp_path) -> None:
     for results in run_ranks(_bandwidth, 2, tmp_path):
         assert [r["size_mb"] for r in results] == [1, 4]

@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +22,12 @@ from helpers import (
     assert_same_training_state,
     final_state,
     free_port,
+    launch,
+    train_command,
     wait_for_train_rows,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 STEPS = 400  # about 8 s of training at 2 ranks: long enough to be hit mid-run
 JOB = [
@@ -151,16 +152,8 @@ def checkpoints(run_dir: Path) -> list[int]:
 def reference(tmp_path_factory) -> dict:
     """A 2-rank run of the same job, never signalled (plain torchrun)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["train.py", f"--run.dir={run_dir}", *JOB],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch(2, f"--run.dir={run_dir}", *JOB, timeout=180)
+    assert proc.returncode == 0, proc.output[-3000:]
     return final_state(run_dir)
 
 
@@ -202,7 +195,7 @@ def test_ctrl_c_in_an_interactive_run_checkpoints(tmp_path) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "train.py", f"--run.dir={run_dir}", *JOB],
+            train_command(None, f"--run.dir={run_dir}", *JOB),
             cwd=REPO,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdout=out,

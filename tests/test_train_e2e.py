@@ -7,14 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import needs_fashion_mnist
-from helpers import REPO, free_port
+from helpers import REPO, free_port, rows, train_command
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+pytestmark = pytest.mark.e2e
+
 SMALL = [
     "--model.widths=8,16,32",
     "--data.num_workers=1",
@@ -34,16 +34,6 @@ def run(cmd: list[str], timeout: float = 240, **env: str) -> subprocess.Complete
     return proc
 
 
-def rows(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def torchrun(nproc: int, *args: str) -> list[str]:
-    return [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
-
-
-@pytest.mark.slow
 @needs_fashion_mnist
 def test_torchrun_two_ranks_learns_fashion_mnist_and_resumes(tmp_path) -> None:
     run_dir = tmp_path / "run"
@@ -59,7 +49,9 @@ def test_torchrun_two_ranks_learns_fashion_mnist_and_resumes(tmp_path) -> None:
         *SMALL[1:],
     ]
     first = run(
-        torchrun(2, *common, "--train.epochs=2", "--train.max_steps=60", "--ckpt.every_steps=25")
+        train_command(
+            2, *common, "--train.epochs=2", "--train.max_steps=60", "--ckpt.every_steps=25"
+        )
     )
     assert first.returncode == 0
     train_rows, eval_rows = rows(run_dir, "train"), rows(run_dir, "eval")
@@ -76,7 +68,7 @@ def test_torchrun_two_ranks_learns_fashion_mnist_and_resumes(tmp_path) -> None:
     assert state["step"] == 60 and not any(k.startswith("module.") for k in state["model"])
 
     second = run(
-        torchrun(2, *common, "--train.epochs=2", "--train.max_steps=80", "--ckpt.resume=auto")
+        train_command(2, *common, "--train.epochs=2", "--train.max_steps=80", "--ckpt.resume=auto")
     )
     assert second.returncode == 0
     assert "resuming from" in second.stderr and "step_60.pt" in second.stderr
@@ -84,13 +76,11 @@ def test_torchrun_two_ranks_learns_fashion_mnist_and_resumes(tmp_path) -> None:
     assert new_rows and min(r["step"] for r in new_rows) > 60 and new_rows[-1]["step"] == 80
 
 
-@pytest.mark.slow
 def test_single_process_python_train_py_on_synthetic(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = run(
-        [
-            sys.executable,
-            "train.py",
+        train_command(
+            None,
             f"--run.dir={run_dir}",
             "--data.dataset=synthetic",
             "--data.synthetic_train_size=2048",
@@ -101,7 +91,7 @@ def test_single_process_python_train_py_on_synthetic(tmp_path) -> None:
             "--log.tensorboard=false",
             *SMALL[:1],
             "--log.every_steps=8",
-        ]
+        )
     )
     assert proc.returncode == 0
     train_rows, eval_rows = rows(run_dir, "train"), rows(run_dir, "eval")
@@ -111,10 +101,9 @@ def test_single_process_python_train_py_on_synthetic(tmp_path) -> None:
     assert "world size 1" in proc.stderr
 
 
-@pytest.mark.slow
 def test_rank_failure_stops_the_job_with_the_root_cause(tmp_path) -> None:
     proc = run(
-        torchrun(
+        train_command(
             2,
             f"--run.dir={tmp_path / 'run'}",
             "--data.dataset=imagefolder",
@@ -127,7 +116,6 @@ def test_rank_failure_stops_the_job_with_the_root_cause(tmp_path) -> None:
     assert "nothing/train" in proc.stderr and "does not exist" in proc.stderr
 
 
-@pytest.mark.slow
 def test_launch_multinode_script_single_node(tmp_path) -> None:
     run_dir = tmp_path / "run"
     env = {
@@ -183,7 +171,6 @@ def test_launch_multinode_script_validates_its_environment() -> None:
     assert proc.returncode == 2 and "NPROC_PER_NODE=two" in proc.stderr
 
 
-@pytest.mark.slow
 def test_resume_mid_epoch_matches_the_uninterrupted_run_exactly(tmp_path) -> None:
     """2 ranks, accumulation, workers: resuming from a mid-epoch checkpoint == never stopping."""
     args = [
@@ -200,11 +187,11 @@ def test_resume_mid_epoch_matches_the_uninterrupted_run_exactly(tmp_path) -> Non
         *SMALL,
     ]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    assert run(torchrun(2, f"--run.dir={full}", *args)).returncode == 0  # 12 steps per epoch
+    assert run(train_command(2, f"--run.dir={full}", *args)).returncode == 0  # 12 steps per epoch
     (resumed / "checkpoints").mkdir(parents=True)
     for name in ("step_5.pt", "step_5.manifest.json"):
         shutil.copy(full / "checkpoints" / name, resumed / "checkpoints" / name)
-    proc = run(torchrun(2, f"--run.dir={resumed}", *args))
+    proc = run(train_command(2, f"--run.dir={resumed}", *args))
     assert proc.returncode == 0 and "resuming from" in proc.stderr
     final_full = torch.load(full / "checkpoints" / "step_24.pt", weights_only=True)
     final_resumed = torch.load(resumed / "checkpoints" / "step_24.pt", weights_only=True)
@@ -220,7 +207,6 @@ def test_resume_mid_epoch_matches_the_uninterrupted_run_exactly(tmp_path) -> Non
     ][-1:]
 
 
-@pytest.mark.slow
 def test_fresh_run_in_a_used_run_dir_is_refused_and_changes_no_file(tmp_path) -> None:
     args = [
         sys.executable,
@@ -244,13 +230,12 @@ def test_fresh_run_in_a_used_run_dir_is_refused_and_changes_no_file(tmp_path) ->
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.slow
 def test_speed_figures_stragglers_and_profiler_trace(tmp_path) -> None:
     """2 ranks: every train row carries the step breakdown, all-reduce time and MFU; a
     straggler row names a rank; --log.profile_steps writes a trace TensorBoard can open."""
     run_dir = tmp_path / "run"
     proc = run(
-        torchrun(
+        train_command(
             2,
             f"--run.dir={run_dir}",
             "--data.dataset=synthetic",
