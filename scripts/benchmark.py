@@ -7,7 +7,7 @@ Config overrides (and `--config FILE.toml`) are train.py's; they configure the m
 Each figure is a ratio of two things measured in the same run, interleaved, so that a busy or
 slow machine moves both sides alike:
 
-- overhead_ratio: samples/s of train.py's own loop (train.train_epoch: step guard, sample
+- overhead_ratio: samples/s of train.py's own loop (Trainer.train_steps: step guard, sample
   ledger, watchdog, meter, log rows) / samples/s of a bare hand-written loop doing the same math;
   overhead_ratio_cpu_time is the same per CPU second, which on CPU other processes cannot move.
 - weak_scaling_efficiency: samples/s of 2 ranks / (2 x samples/s of 1 rank), 1 thread each,
