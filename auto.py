@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from distributed import DistInfo
 
 
 def backend(requested: str) -> str:
@@ -85,7 +89,7 @@ def progress(setting: str) -> bool:
 class Auto:
     """What each auto/on/off setting is on this device (config key in each comment)."""
 
-    backend: str  # dist.backend
+    backend: str  # dist.backend ("none": one process, no process group)
     amp: torch.dtype | None  # train.amp
     compile: bool  # train.compile
     channels_last: bool  # model.channels_last
@@ -114,11 +118,13 @@ class Auto:
         return ", ".join(parts)
 
 
-def resolve(cfg: Config, device: torch.device, in_memory_numel: int | None) -> Auto:
-    """Every setting for `device`; `in_memory_numel` is the training set's element count when
-    it is held in memory as one tensor (data.in_memory_numel), else None."""
+def resolve(cfg: Config, info: DistInfo, in_memory_numel: int | None) -> Auto:
+    """Every setting for this rank's device; `in_memory_numel` is the training set's element
+    count when it is held in memory as one tensor (data.in_memory_numel), else None. The
+    backend is the one `distributed.setup` chose with `backend` above."""
+    device = info.device
     return Auto(
-        backend=backend(cfg.dist.backend),
+        backend=info.backend or "none",
         amp=amp(cfg.train.amp, device),
         compile=compile_model(cfg.train.compile, device),
         channels_last=channels_last(cfg.model.channels_last, device),

@@ -10,11 +10,14 @@ a queued multi-node job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tomllib
@@ -512,7 +515,8 @@ def _spellings(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
             try:
                 return tuple(parse(part.strip()) for part in args[0].split(",") if part.strip())
             except ValueError:
-                raise ValueError(f"{args[0]!r} is not a list of {metavar}: {metavar},...") from None
+                expected = f"a comma-separated list ({metavar},...)"
+                raise ValueError(f"{args[0]!r} is not {expected}") from None
 
         return PrimitiveConstructorSpec(
             nargs=1,
@@ -549,14 +553,56 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     return flatten(table, "")
 
 
-def as_args(values: dict[str, Any]) -> list[str]:
-    """Dotted keys and TOML values as command-line arguments: a file is checked like a command
-    line, with the same suggestions for unknown keys and the same type checks."""
+def _toml_type_ok(annotation: Any, value: Any) -> bool:
+    """A TOML value has the field's type (an integral float counts as an integer)."""
+    if typing.get_origin(annotation) is tuple:
+        item = typing.get_args(annotation)[0]
+        return isinstance(value, list) and all(_toml_type_ok(item, v) for v in value)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        integral = isinstance(value, float) and value.is_integer()
+        return (isinstance(value, int) and not isinstance(value, bool)) or integral
+    if annotation is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, str)  # str and Literal fields
+
+
+def as_args(values: dict[str, Any], source: str) -> list[str]:
+    """Dotted keys and TOML values as command-line arguments: the file goes through the same
+    parser as the command line (the same suggestions for unknown keys, the same checks). A
+    value of the wrong TOML type is refused here, naming the file, key and value."""
+    annotations = {}
+    for section in dataclasses.fields(Config):
+        section_cls = typing.get_type_hints(Config)[section.name]
+        hints = typing.get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            annotations[f"{section.name}.{f.name}"] = hints[f.name]
 
     def spell(value: Any) -> str:
-        return ",".join(map(_show, value)) if isinstance(value, list) else _show(value)
+        if isinstance(value, list):
+            return ",".join(map(spell, value))
+        if isinstance(value, float) and value.is_integer():
+            return str(int(value))  # 3.0 for an integer field; a float field reads "3" alike
+        return _show(value)
 
-    return [f"--{key}={spell(value)}" for key, value in values.items()]
+    args = []
+    for key, value in values.items():
+        if key in annotations and not _toml_type_ok(annotations[key], value):
+            expected = _spelled_type(annotations[key])
+            raise ConfigError(f"{source}: {key} = {value!r} is not {expected}")
+        args.append(f"--{key}={spell(value)}")
+    return args
+
+
+def _spelled_type(annotation: Any) -> str:
+    if typing.get_origin(annotation) is tuple:
+        item = typing.get_args(annotation)[0]
+        return "a list of " + {int: "integers", float: "numbers"}.get(item, "strings")
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(annotation)))
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(annotation, str(annotation))
 
 
 def split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -576,32 +622,57 @@ def split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return config_file, rest
 
 
-def cli(args: list[str], default: Config, source: str, prog: str = "train.py") -> Config:
-    """`default` with `args` applied, checked. A rejected input has been explained on stderr
-    (by tyro: the key or value, the nearest keys, the field's help) and raises ConfigError."""
-    try:
-        return tyro.cli(
-            Config,
-            args=args,
-            default=default,
-            prog=prog,
-            registry=_REGISTRY,
-            use_underscores=True,  # --data.batch_size, as the fields are spelled
-            config=(tyro.conf.FlagConversionOff,),  # --data.augment=false, not --no-data.augment
-        )
-    except SystemExit as exit:
-        if exit.code in (0, None):  # --help
-            raise
-        raise ConfigError(f"{source} was rejected (the message above says why)") from None
+def _plain(box: str) -> str:
+    """tyro's error box as one line: its first section (the reason), and the nearest key it
+    suggests, if any."""
+    sections: list[list[str]] = [[]]
+    for line in box.splitlines()[1:]:  # the first line is the box's title
+        text = line.strip().strip("│").strip()
+        if text and set(text) <= set("─-"):
+            sections.append([])
+        elif text and not set(text) <= set("╰╯─"):
+            sections[-1].append(text)
+    parts = [" ".join(lines) for lines in sections if lines]
+    if not parts:
+        return box.strip()
+    reason = re.sub(r"^Error parsing (--[\w.]+): ", r"\1: ", parts[0])  # the key, then the value
+    reason = re.sub(r"^Error parsing [\w.]+: ", "", reason)  # a section's or Config's check
+    suggestion = next((p for p in parts[1:] if p.startswith("Perhaps you meant:")), "")
+    nearest = re.search(r"--[\w.]+", suggestion)
+    return f"{reason}; did you mean {nearest.group()}?" if nearest else reason
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "train.py") -> Config:
-    """argv (default sys.argv[1:]) over the --config file over the defaults, checked. Raises
-    ConfigError; prints the help and exits 0 on --help."""
+    """The command line (default sys.argv[1:]) over the --config file over the defaults, in
+    one tyro pass (the file's keys first: a later key wins), then checked. A rejected input
+    prints tyro's explanation (the key or value, the nearest keys, the field's help) and
+    raises ConfigError with the reason on one line, naming the config file when the key came
+    from it. --help prints the help and exits 0."""
     argv = sys.argv[1:] if argv is None else list(argv)
     config_file, cli_args = split_config_flag(argv)
-    cfg = Config()
+    file_args: list[str] = []
     if config_file is not None and not {"-h", "--help"} & set(cli_args):
-        file_args = as_args(load_toml(config_file))
-        cfg = cli(file_args, cfg, f"config file {config_file!r}", prog=f"{prog} --config")
-    return cli(cli_args, cfg, "the command line", prog=prog)
+        file_args = as_args(load_toml(config_file), f"config file {config_file!r}")
+    explained = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(explained):
+            return tyro.cli(
+                Config,
+                args=[*file_args, *cli_args],
+                prog=prog,
+                registry=_REGISTRY,
+                use_underscores=True,  # --data.batch_size, as the fields are spelled
+                config=(tyro.conf.FlagConversionOff,),  # --data.augment=false
+            )
+    except SystemExit as exit:
+        if exit.code in (0, None):  # --help
+            raise
+        sys.stderr.write(explained.getvalue())
+        reason = _plain(explained.getvalue())
+        from_file = {arg.split("=", 1)[0] for arg in file_args}
+        from_cli = {arg.split("=", 1)[0] for arg in cli_args}
+        named = set(re.findall(r"--[\w.]+", reason))
+        named |= {f"--{key}" for key in re.findall(r"for ([a-z]+\.\w+):", reason)}
+        if named & (from_file - from_cli):
+            raise ConfigError(f"config file {config_file!r}: {reason}") from None
+        raise ConfigError(reason) from None

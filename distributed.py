@@ -125,6 +125,7 @@ def setup(cfg: DistConfig) -> DistInfo:
     """Join the process group described by torchrun's environment (or run alone without one)."""
     env = read_env()
     if env is None:
+        auto.backend(cfg.backend)  # no process group, but a setting this host cannot honour
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)

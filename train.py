@@ -82,7 +82,7 @@ class Trainer:
         # After preflight, so that a run.dir differing between nodes is reported as a config
         # mismatch rather than as a run dir that is not shared.
         check_run_dir_shared(info, self.run_dir)
-        self.auto = auto.resolve(cfg, info.device, data.in_memory_numel(splits.train))
+        self.auto = auto.resolve(cfg, info, data.in_memory_numel(splits.train))
         log.info("settings: %s", self.auto.describe(cfg))
         self.train_loader = data.build_train_loader(
             splits, cfg.data, info, cfg.train.seed, self.auto.loader

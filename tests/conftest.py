@@ -10,8 +10,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 
 import data  # noqa: E402
 
-# The tiers (markers in pyproject.toml): unmarked tests run in this process and form the fast
-# tier; spawn, e2e, multinode and slurm tests start processes and are `slow` as well, so that
+# The tiers (markers in pyproject.toml). Unmarked tests form the fast tier: no process group and
+# no training run (a few start a quick helper process: bash on a script, DataLoader workers, a
+# config error from train.py). spawn, e2e, multinode and slurm tests are `slow` as well, so that
 # `-m "not slow"` is exactly the fast tier.
 SLOW_TIERS = ("spawn", "e2e", "multinode", "slurm")
 

@@ -9,14 +9,17 @@ import torch
 
 import auto
 from config import Config, ConfigError
+from distributed import DistInfo
 
 CPU = torch.device("cpu")
+ONE = DistInfo(0, 0, 1, CPU)  # python train.py: no process group
+TWO = DistInfo(0, 0, 2, CPU, backend="gloo")
 
 
 def test_auto_on_cpu_is_the_documented_cpu_choice_for_each_setting() -> None:
-    resolved = auto.resolve(Config(), CPU, in_memory_numel=1000)
+    resolved = auto.resolve(Config(), TWO, in_memory_numel=1000)
     assert resolved == auto.Auto(
-        backend="gloo" if not torch.cuda.is_available() else "nccl",
+        backend="gloo",  # as distributed.setup chose it (auto.backend)
         amp=None,  # fp32: CPUs gain nothing from autocast here
         compile=False,
         channels_last=True,  # oneDNN's convolutions prefer NHWC
@@ -37,7 +40,7 @@ def test_explicit_settings_are_kept() -> None:
         log=dataclasses.replace(cfg.log, progress="on"),
         dist=dataclasses.replace(cfg.dist, backend="gloo"),
     )
-    resolved = auto.resolve(cfg, CPU, in_memory_numel=1000)
+    resolved = auto.resolve(cfg, TWO, in_memory_numel=1000)
     assert resolved == auto.Auto("gloo", torch.bfloat16, True, False, "loop", "dataloader", True)
     # Nothing was "auto": the log line states values without arrows.
     assert "->" not in resolved.describe(cfg)
@@ -51,14 +54,15 @@ def test_a_dataset_read_from_files_gets_the_dataloader() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_nccl_without_cuda_is_bad_input() -> None:
+    assert auto.backend("auto") == "gloo"
     with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA"):
         auto.backend("nccl")
 
 
 def test_describe_names_each_setting_and_what_auto_became() -> None:
-    line = auto.resolve(Config(), CPU, in_memory_numel=None).describe(Config())
+    line = auto.resolve(Config(), ONE, in_memory_numel=None).describe(Config())
     assert line.split(", ") == [
-        f"dist.backend=auto->{'nccl' if torch.cuda.is_available() else 'gloo'}",
+        "dist.backend=auto->none",  # one process: no process group
         "train.amp=auto->none",
         "train.compile=auto->off",
         "model.channels_last=auto->on",

@@ -12,11 +12,12 @@ import config
 from config import Config, ConfigError, parse_args
 
 
-def rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """What the user reads when `argv` is refused (ConfigError, as train.py exits 2 on)."""
+def rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    """When `argv` is refused: the one-line reason (the ConfigError that train.py prints and
+    exits 2 on) and tyro's explanation above it, as plain text."""
     with pytest.raises(ConfigError) as err:
         parse_args(argv)
-    return unboxed(capsys.readouterr().err + " " + str(err.value))
+    return str(err.value), unboxed(capsys.readouterr().err)
 
 
 def help_text(capsys: pytest.CaptureFixture[str]) -> str:
@@ -86,19 +87,21 @@ def test_toml_file_and_cli_precedence(tmp_path) -> None:
     ],
 )
 def test_unknown_key_names_it_and_suggests(argv, key, suggestion, capsys) -> None:
-    message = rejected(argv, capsys)
-    assert f"Unrecognized options: --{key}=" in message
+    reason, explained = rejected(argv, capsys)
+    assert reason.startswith(f"Unrecognized options: --{key}=")
     if suggestion:
-        assert re.search(rf"Perhaps you meant: {re.escape(suggestion)}\b", message), message
-    assert "train.py --help" in message
+        assert reason.endswith(f"; did you mean {suggestion}?")
+        assert re.search(rf"Perhaps you meant: {re.escape(suggestion)}\b", explained), explained
+    assert "train.py --help" in explained
 
 
 def test_unknown_key_in_toml_is_reported(tmp_path, capsys) -> None:
     toml = tmp_path / "bad.toml"
     toml.write_text("[train]\nepohcs = 2\n")
-    message = rejected(["--config", str(toml)], capsys)
-    assert "--train.epohcs" in message and "Perhaps you meant: --train.epochs" in message
-    assert f"config file '{toml}' was rejected" in message
+    reason, explained = rejected(["--config", str(toml)], capsys)
+    assert reason.startswith(f"config file '{toml}': Unrecognized options: --train.epohcs=2")
+    assert reason.endswith("did you mean --train.epochs?")
+    assert "Perhaps you meant: --train.epochs" in explained
 
 
 @pytest.mark.parametrize(
@@ -121,16 +124,39 @@ def test_unknown_key_in_toml_is_reported(tmp_path, capsys) -> None:
     ],
 )
 def test_invalid_values_name_field_and_value(argv, field, value, capsys) -> None:
-    message = rejected(argv, capsys)
-    assert re.search(rf"{re.escape(field)}: '?{re.escape(value)}\b", message), message
+    reason, explained = rejected(argv, capsys)
+    assert re.search(rf"{re.escape(field)}: '?{re.escape(value)}\b", reason), reason
+    assert reason in explained  # the box above says the same
 
 
 def test_wrong_type_in_toml(tmp_path, capsys) -> None:
     toml = tmp_path / "bad.toml"
     toml.write_text('[data]\nbatch_size = "big"\n')
-    message = rejected(["--config", str(toml)], capsys)
-    assert "data.batch_size: 'big' is not an integer" in message
-    assert f"config file '{toml}' was rejected" in message
+    reason, _ = rejected(["--config", str(toml)], capsys)
+    assert reason == f"config file '{toml}': data.batch_size = 'big' is not an integer"
+    for text, expected in [
+        ("[train]\nepochs = [3]\n", "train.epochs = [3] is not an integer"),
+        ("[run]\ndir = 5\n", "run.dir = 5 is not a string"),
+        ("[ckpt]\nresume = true\n", "ckpt.resume = True is not a string"),
+        ('[model]\nwidths = ["a"]\n', "model.widths = ['a'] is not a list of integers"),
+        ("[data]\naugment = 1\n", "data.augment = 1 is not true or false"),
+    ]:
+        toml.write_text(text)
+        assert rejected(["--config", str(toml)], capsys)[0].endswith(expected), text
+
+
+def test_a_file_is_checked_with_the_command_line_over_it(tmp_path, capsys) -> None:
+    """The merged configuration is checked, not the file alone: a command line that repairs a
+    file's combination is accepted, and a file value the command line does not set is kept
+    (an integral TOML float counts as an integer)."""
+    toml = tmp_path / "job.toml"
+    toml.write_text("[dist]\nstatic_graph = true\n[train]\ngrad_accum_steps = 2\nepochs = 3.0\n")
+    reason, _ = rejected(["--config", str(toml)], capsys)
+    assert "dist.static_graph=true cannot be combined" in reason
+    cfg = parse_args(["--config", str(toml), "--train.grad_accum_steps=1"])
+    assert (cfg.dist.static_graph, cfg.train.grad_accum_steps, cfg.train.epochs) == (True, 1, 3)
+    toml.write_text("[optim]\nlr = -1.0\n")
+    assert parse_args(["--config", str(toml), "--optim.lr=0.1"]).optim.lr == 0.1
 
 
 def test_corrupt_or_missing_toml_names_the_file(tmp_path) -> None:
@@ -143,9 +169,9 @@ def test_corrupt_or_missing_toml_names_the_file(tmp_path) -> None:
 
 
 def test_missing_value_and_stray_argument(capsys) -> None:
-    assert "Missing value for argument '--train.epochs'" in rejected(["--train.epochs"], capsys)
-    assert "Unrecognized options: epochs=3" in rejected(["epochs=3"], capsys)
-    assert "missing value for '--config'" in rejected(["--config"], capsys)
+    assert "Missing value for argument '--train.epochs'" in rejected(["--train.epochs"], capsys)[0]
+    assert "Unrecognized options: epochs=3" in rejected(["epochs=3"], capsys)[0]
+    assert "missing value for '--config'" in rejected(["--config"], capsys)[0]
 
 
 def test_help_lists_every_field_with_default(capsys) -> None:
@@ -166,7 +192,7 @@ def test_train_py_rejects_bad_config_before_any_process_group(tmp_path) -> None:
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "optim.lr" in proc.stderr and "-0.1" in proc.stderr
+    assert "error: invalid value for optim.lr: -0.1 (must be a finite number > 0)" in proc.stderr
     assert not run_dir.exists()
 
 
