@@ -86,7 +86,10 @@ class SlurmCluster:
         """Wait until the job is over for good, ending Slurm's requeue hold at once.
 
         Slurm 22.05 makes a requeued job wait about two minutes (Reason=BeginTime); the tests
-        have no reason to wait, so a requeued job is made eligible at once.
+        have no reason to wait that long, so a requeued job is made eligible early, but not in
+        the second its last run was killed: slurmd refuses a job credential created in the
+        same second as the revocation of the previous one (whole seconds are compared), and the
+        job then fails at launch ("Job credential revoked", exit 1). Seen under CI load.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -94,6 +97,7 @@ class SlurmCluster:
             if job["JobState"] in FINAL_STATES:
                 return job
             if job["JobState"] == "PENDING" and job["Reason"] == "BeginTime":
+                time.sleep(2.0)  # a later second than the revocation
                 self.ctl("scontrol", "update", f"JobId={job_id}", "StartTime=now")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} not over after {timeout} s: {job}")
