@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -85,37 +85,41 @@ def progress(setting: str) -> bool:
     return setting == "on" or (setting == "auto" and sys.stderr.isatty())
 
 
+def _key(name: str) -> Any:
+    return field(metadata={"key": name})
+
+
 @dataclass(frozen=True)
 class Auto:
-    """What each auto/on/off setting is on this device (config key in each comment)."""
+    """What each auto/on/off setting is on this device, with the config key it resolves."""
 
-    backend: str  # dist.backend ("none": one process, no process group)
-    amp: torch.dtype | None  # train.amp
-    compile: bool  # train.compile
-    channels_last: bool  # model.channels_last
-    optimizer_impl: str  # optim.impl
-    loader: str  # data.loader
-    progress: bool  # log.progress
+    backend: str = _key("dist.backend")  # "none": one process, no process group
+    amp: torch.dtype | None = _key("train.amp")
+    compile: bool = _key("train.compile")
+    channels_last: bool = _key("model.channels_last")
+    optimizer_impl: str = _key("optim.impl")
+    loader: str = _key("data.loader")
+    progress: bool = _key("log.progress")
 
     def describe(self, cfg: Config) -> str:
         """`key=value` for every setting; `key=auto->value` where "auto" was resolved."""
-        asked = {
-            "dist.backend": cfg.dist.backend,
-            "train.amp": cfg.train.amp,
-            "train.compile": cfg.train.compile,
-            "model.channels_last": cfg.model.channels_last,
-            "optim.impl": cfg.optim.impl,
-            "data.loader": cfg.data.loader,
-            "log.progress": cfg.log.progress,
-        }
-        names = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "none"}
-        values = dataclasses.astuple(self)
         parts = []
-        for (key, setting), value in zip(asked.items(), values, strict=True):
-            shown = names[value] if key == "train.amp" else value
-            shown = {True: "on", False: "off"}.get(shown, shown)
+        for f in dataclasses.fields(self):
+            key = f.metadata["key"]
+            section, name = key.split(".")
+            setting = getattr(getattr(cfg, section), name)
+            shown = _spelled(getattr(self, f.name))
             parts.append(f"{key}={setting}->{shown}" if setting == "auto" else f"{key}={shown}")
         return ", ".join(parts)
+
+
+def _spelled(value: Any) -> str:
+    """A resolved value as the config spells it: on/off, bf16/fp16/none."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or isinstance(value, torch.dtype):
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "none"}[value]
+    return str(value)
 
 
 def resolve(cfg: Config, info: DistInfo, in_memory_numel: int | None) -> Auto:

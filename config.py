@@ -433,13 +433,15 @@ def global_batch_size(cfg: Config, world_size: int) -> int:
     return cfg.data.batch_size * world_size * cfg.train.grad_accum_steps
 
 
-def dotted_keys() -> list[str]:
-    """Every dotted key, `section.field`, in declaration order."""
-    return [
-        f"{section.name}.{f.name}"
-        for section in dataclasses.fields(Config)
-        for f in dataclasses.fields(typing.get_type_hints(Config)[section.name])
-    ]
+def field_types() -> dict[str, Any]:
+    """Every dotted key, `section.field`, in declaration order, with its annotated type."""
+    types = {}
+    for section in dataclasses.fields(Config):
+        section_cls = typing.get_type_hints(Config)[section.name]
+        hints = typing.get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            types[f"{section.name}.{f.name}"] = hints[f.name]
+    return types
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,12 +574,7 @@ def as_args(values: dict[str, Any], source: str) -> list[str]:
     """Dotted keys and TOML values as command-line arguments: the file goes through the same
     parser as the command line (the same suggestions for unknown keys, the same checks). A
     value of the wrong TOML type is refused here, naming the file, key and value."""
-    annotations = {}
-    for section in dataclasses.fields(Config):
-        section_cls = typing.get_type_hints(Config)[section.name]
-        hints = typing.get_type_hints(section_cls)
-        for f in dataclasses.fields(section_cls):
-            annotations[f"{section.name}.{f.name}"] = hints[f.name]
+    annotations = field_types()
 
     def spell(value: Any) -> str:
         if isinstance(value, list):

@@ -38,8 +38,11 @@ def optimizer_kernels(impl: str) -> dict[str, bool]:
     return {"fused": impl == "fused", "foreach": impl == "foreach"}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """SGD or AdamW; weight decay on conv/linear weights only, not on norm scales or biases."""
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, impl: str | None = None
+) -> torch.optim.Optimizer:
+    """SGD or AdamW; weight decay on conv/linear weights only, not on norm scales or biases.
+    `impl` is optim.impl as already resolved (the Trainer's auto.Auto); else resolved here."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [
@@ -47,7 +50,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": no_decay, "weight_decay": 0.0},
     ]
     device = next(model.parameters()).device
-    kernels = optimizer_kernels(auto.optimizer_impl(cfg.impl, device))
+    kernels = optimizer_kernels(impl or auto.optimizer_impl(cfg.impl, device))
     if cfg.name == "sgd":
         return torch.optim.SGD(
             groups,

@@ -100,7 +100,7 @@ class Trainer:
             )
         self.samples_per_step = global_batch_size(cfg, info.world_size)
         model = build_model(cfg, splits, info, self.auto.channels_last)
-        self.optimizer = engine.build_optimizer(model, cfg.optim)
+        self.optimizer = engine.build_optimizer(model, cfg.optim, self.auto.optimizer_impl)
         # The schedule's length is read at each step: resuming may change it (total_steps).
         self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
         self.amp_dtype = self.auto.amp

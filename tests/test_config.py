@@ -30,7 +30,7 @@ def help_text(capsys: pytest.CaptureFixture[str]) -> str:
 def test_defaults_validate_and_every_field_is_documented(capsys) -> None:
     Config()
     text = help_text(capsys)
-    for key in config.dotted_keys():
+    for key in config.field_types():
         # The key, its metavar, then words of documentation (not straight to the default).
         assert re.search(rf"--{re.escape(key)} \S+ [a-zA-Z]", text), f"{key} has no doc"
 
@@ -176,7 +176,7 @@ def test_missing_value_and_stray_argument(capsys) -> None:
 
 def test_help_lists_every_field_with_default(capsys) -> None:
     text = help_text(capsys)
-    for key in config.dotted_keys():
+    for key in config.field_types():
         assert re.search(rf"--{re.escape(key)} .*?\(default: ", text), key
     assert re.search(r"--model\.widths INT,\.\.\. .*?\(default: 16,32,64\)", text)
     assert "--data.augment {true,false}" in text and "--train.amp {auto,none,bf16,fp16}" in text
