@@ -44,11 +44,13 @@ def _entry(
             backend="gloo",
         )
         torch.save(fn(info, *args), f"{out}.{rank}")
-        # No rank tears its gloo pairs down while a peer may still use them: a rank that
-        # destroyed its group early has made its peers abort ("terminate called without an
-        # active exception") under load in CI.
+        # Every rank's result is on disk. Tearing the gloo group down has made a rank abort
+        # ("terminate called without an active exception", SIGABRT) under CI load, even after a
+        # barrier, which fails a test whose results were all in. So once every rank is here,
+        # each leaves at once, without C++ teardown: the kernel closes its sockets.
         dist.barrier()
-    finally:
+        os._exit(0)
+    finally:  # fn failed: spawn reports this rank's exception
         dist.destroy_process_group()
 
 
