@@ -70,8 +70,8 @@ def loader(setting: str, dataset: str, in_memory_numel: int | None, device: torc
     if in_memory_numel is None:
         if setting == "device":
             raise ConfigError(
-                f"data.loader=device needs an in-memory dataset; data.dataset={dataset} is "
-                "read from files: use data.loader=dataloader or auto"
+                f"data.loader=device needs an in-memory dataset; {dataset} is read from "
+                "files: use data.loader=dataloader or auto"
             )
         return "dataloader"
     if setting == "device" or device.type != "cuda":
@@ -133,6 +133,6 @@ def resolve(cfg: Config, info: DistInfo, in_memory_numel: int | None) -> Auto:
         compile=compile_model(cfg.train.compile, device),
         channels_last=channels_last(cfg.model.channels_last, device),
         optimizer_impl=optimizer_impl(cfg.optim.impl, device),
-        loader=loader(cfg.data.loader, cfg.data.dataset, in_memory_numel, device),
+        loader=loader(cfg.data.loader, cfg.data.source, in_memory_numel, device),
         progress=progress(cfg.log.progress),
     )

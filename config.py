@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import io
 import json
 import math
@@ -44,6 +45,47 @@ def image_shape(shape: tuple[int, ...]) -> bool:
     return len(shape) == 3 and min(shape) >= 1 and min(shape[1:]) >= 8
 
 
+FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+FACTORY_FIX = "write package.module:function"
+KWARGS_KEYS = ("model.kwargs", "data.kwargs")  # JSON objects, or TOML tables in a file
+RESERVED_KWARGS = {"model.kwargs": ("in_channels", "num_classes"), "data.kwargs": ("root",)}
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """`text` as a JSON object, or None when it is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def load_factory(key: str, spec: str) -> Callable[..., Any]:
+    """The function `package.module:function` names (config key `key`), imported from the
+    current directory or PYTHONPATH; a ConfigError naming the module, function and error."""
+    module_name, _, function_name = spec.partition(":")
+    if os.getcwd() not in sys.path:  # `python train.py` puts the script's folder there, not .
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or any error the module raises while importing
+        raise ConfigError(
+            f"{key}={spec}: cannot import module {module_name!r} "
+            f"({type(err).__name__}: {err}); it must be importable from the current "
+            "directory or PYTHONPATH"
+        ) from None
+    target: Any = module
+    for part in function_name.split("."):
+        target = getattr(target, part, None)
+    if not callable(target):
+        raise ConfigError(
+            f"{key}={spec}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
+            f"function {function_name!r}"
+        )
+    return target
+
+
+MINI_RESNET = "mini_resnet"
 SIGNAL_NAMES = "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught)"
 
 
@@ -56,6 +98,19 @@ class _Section:
         if not ok:
             value = getattr(self, field_name)
             raise ConfigError(f"invalid value for {self._name}.{field_name}: {value!r} ({fix})")
+
+    def _require_factory(self) -> None:
+        """factory is empty or package.module:function; kwargs is a JSON object without the
+        keywords the pipeline passes itself. kwargs is stored in one canonical spelling."""
+        factory: str = self.factory  # type: ignore[attr-defined]
+        self._require("factory", not factory or bool(FACTORY.fullmatch(factory)), FACTORY_FIX)
+        kwargs = json_object(self.kwargs.strip() or "{}")  # type: ignore[attr-defined]
+        self._require("kwargs", kwargs is not None, 'give a JSON object such as {"depth": 4}')
+        assert kwargs is not None
+        reserved = RESERVED_KWARGS[f"{self._name}.kwargs"]
+        taken = sorted(set(kwargs) & set(reserved))
+        self._require("kwargs", not taken, f"{', '.join(taken)} is passed by the pipeline")
+        object.__setattr__(self, "kwargs", json.dumps(kwargs, sort_keys=True))
 
 
 @dataclass(frozen=True)
@@ -99,7 +154,16 @@ class DataConfig(_Section):
     _name: ClassVar[str] = "data"
 
     dataset: Literal["fashion_mnist", "cifar10", "imagefolder", "synthetic"] = "fashion_mnist"
-    """which dataset to train and evaluate on"""
+    """which dataset to train and evaluate on (unless data.factory is set)"""
+    factory: str = ""
+    """your own data instead: package.module:function, imported from the
+    current directory or PYTHONPATH and called as function(root=data.root,
+    **data.kwargs); it returns train and eval map-style datasets of
+    (image, label) pairs, num_classes and input_shape (see
+    data.UserData)"""
+    kwargs: str = "{}"
+    """keyword arguments of data.factory, as a JSON object ('{"size":
+    64}'), or in a TOML file a [data.kwargs] table"""
     root: str = "data"
     """dataset directory: download target for torchvision datasets, or for
     imagefolder the folder holding train/<class>/* and val/<class>/*"""
@@ -136,9 +200,25 @@ class DataConfig(_Section):
     training samples"""
     crop_padding: int = 2
     """pixels of zero padding for random crop"""
-    image_size: int = 32
-    """imagefolder only: images are resized to image_size x image_size
-    pixels"""
+    image_size: int = 224
+    """imagefolder: side in pixels of the square training crop
+    (RandomResizedCrop) and of the evaluation center crop"""
+    crop_ratio: float = 0.875
+    """imagefolder evaluation: resize the shorter side to image_size /
+    crop_ratio, then center-crop image_size (256 -> 224 as in
+    torchvision's references)"""
+    crop_scale: tuple[float, ...] = (0.08, 1.0)
+    """imagefolder training: RandomResizedCrop's range of the crop's area
+    as a fraction of the image's (aspect ratios 3/4 to 4/3)"""
+    mean: tuple[float, ...] = ()
+    """per-channel mean in [0, 1] units that inputs are normalised with;
+    empty = the dataset's own (ImageNet's for imagefolder)"""
+    std: tuple[float, ...] = ()
+    """per-channel standard deviation in [0, 1] units; empty = the
+    dataset's own"""
+    bad_images: Literal["fail", "skip"] = "fail"
+    """imagefolder: an unreadable image stops the run (exit 2, its path
+    named); skip = leave it out of its batch, log its path and count it"""
     prepare_timeout_s: float = 3600.0
     """seconds the other ranks wait (logging progress) for local rank 0 of
     each node to download or prepare the dataset, instead of
@@ -163,34 +243,69 @@ class DataConfig(_Section):
         self._require("prefetch_factor", self.prefetch_factor >= 1, "must be >= 1")
         self._require("crop_padding", self.crop_padding >= 0, "must be >= 0")
         self._require("image_size", self.image_size >= 8, "must be >= 8")
+        self._require("crop_ratio", 0 < finite(self.crop_ratio) <= 1, "must be in (0, 1]")
+        scale = self.crop_scale
+        scale_ok = len(scale) == 2 and 0 < finite(scale[0]) <= finite(scale[1]) <= 1
+        self._require("crop_scale", scale_ok, "give MIN,MAX with 0 < MIN <= MAX <= 1")
+        self._require("mean", all(0 <= finite(m) <= 1 for m in self.mean), "values in [0, 1]")
+        self._require("std", all(finite(s) > 0 for s in self.std), "values > 0")
+        same = not self.mean or not self.std or len(self.mean) == len(self.std)
+        self._require("std", same, f"give as many values as data.mean has ({len(self.mean)})")
+        self._require_factory()
         self._require("prepare_timeout_s", finite(self.prepare_timeout_s) > 0, "seconds > 0")
         self._require("synthetic_train_size", self.synthetic_train_size >= 1, "must be >= 1")
         self._require("synthetic_eval_size", self.synthetic_eval_size >= 1, "must be >= 1")
         self._require("synthetic_shape", image_shape(self.synthetic_shape), "give C,H,W; H, W >= 8")
         self._require("synthetic_num_classes", self.synthetic_num_classes >= 2, "must be >= 2")
 
+    @property
+    def source(self) -> str:
+        """The dataset as the user chose it: data.factory=... or data.dataset=..."""
+        return f"data.factory={self.factory}" if self.factory else f"data.dataset={self.dataset}"
+
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
-    """The network (MiniResNet) and its memory layout."""
+    """The network, its initial weights and its memory layout."""
 
     _name: ClassVar[str] = "model"
 
+    name: str = MINI_RESNET
+    """the network: mini_resnet (this pipeline's small ResNet, shaped by
+    model.widths, blocks_per_stage, norm, dropout), or a torchvision
+    classification builder such as resnet18, resnet50, convnext_tiny,
+    efficientnet_b0, vit_b_16 (--model.list prints them all), built
+    untrained for the dataset's classes and channels"""
+    factory: str = ""
+    """your own model instead: package.module:function, imported from the
+    current directory or PYTHONPATH and called as
+    function(in_channels=C, num_classes=N, **model.kwargs); it returns a
+    torch.nn.Module"""
+    kwargs: str = "{}"
+    """keyword arguments of the builder or factory, as a JSON object
+    ('{"dropout": 0.2}'), or in a TOML file a [model.kwargs] table"""
+    weights: str = ""
+    """initialise a fresh run from this local state dict (loaded with
+    weights_only): a classifier for another number of classes is
+    replaced, a 3-channel stem fitted to the data's channels; any other
+    missing, unexpected or misshapen key is an error. Nothing is ever
+    downloaded"""
     widths: tuple[int, ...] = (16, 32, 64)
-    """channels of each residual stage; each stage after the first halves
-    the resolution"""
+    """mini_resnet: channels of each residual stage; each stage after the
+    first halves the resolution"""
     blocks_per_stage: int = 1
-    """BasicBlocks in each stage"""
+    """mini_resnet: BasicBlocks in each stage"""
     norm: Literal["batch", "syncbatch", "group", "none"] = "batch"
     """normalisation: batch (per-rank statistics), syncbatch (statistics
-    across ranks), group (per sample: shard- and micro-batch-invariant),
-    none"""
+    across ranks: every BatchNorm of any model becomes SyncBatchNorm),
+    group (per sample: shard- and micro-batch-invariant), none"""
     channels_last: Literal["auto", "on", "off"] = "auto"
     """store weights and activations in channels_last memory format; auto =
     on for CUDA (tensor cores read NHWC) and CPU (oneDNN's convolutions
     do too)"""
     dropout: float = 0.0
-    """dropout probability before the classifier, in [0, 1); 0 = no dropout"""
+    """mini_resnet: dropout probability before the classifier, in [0, 1);
+    0 = no dropout"""
 
     def __post_init__(self) -> None:
         self._require("widths", bool(self.widths) and min(self.widths) >= 1, "e.g. 16,32,64")
@@ -198,6 +313,18 @@ class ModelConfig(_Section):
         self._require("widths", grouped, "with model.norm=group widths must be multiples of 8")
         self._require("blocks_per_stage", self.blocks_per_stage >= 1, "must be >= 1")
         self._require("dropout", 0 <= finite(self.dropout) < 1, "must be in [0, 1)")
+        self._require("name", bool(re.fullmatch(r"\w+", self.name)), "e.g. resnet18")
+        object.__setattr__(self, "weights", os.path.expanduser(self.weights))
+        self._require_factory()
+        if self.factory or self.name != MINI_RESNET:  # the MiniResNet fields would do nothing
+            for name in ("widths", "blocks_per_stage", "dropout"):
+                unchanged = getattr(self, name) == _DEFAULTS[name]
+                self._require(name, unchanged, f"shapes {MINI_RESNET} only: use model.kwargs")
+            batch = self.norm in ("batch", "syncbatch")
+            self._require("norm", batch, f"{self.norm} is for {MINI_RESNET} only")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 @dataclass(frozen=True)
@@ -546,7 +673,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     def flatten(table: dict[str, Any], prefix: str) -> dict[str, Any]:
         flat: dict[str, Any] = {}
         for name, value in table.items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and f"{prefix}{name}" not in KWARGS_KEYS:
                 flat.update(flatten(value, f"{prefix}{name}."))
             else:
                 flat[f"{prefix}{name}"] = value
@@ -585,6 +712,8 @@ def as_args(values: dict[str, Any], source: str) -> list[str]:
 
     args = []
     for key, value in values.items():
+        if key in KWARGS_KEYS and isinstance(value, dict):
+            value = json.dumps(value)  # a [model.kwargs] table
         if key in annotations and not _toml_type_ok(annotations[key], value):
             expected = _spelled_type(annotations[key])
             raise ConfigError(f"{source}: {key} = {value!r} is not {expected}")

@@ -8,15 +8,17 @@ number of workers, or where a resumed run restarts, so runs are comparable and r
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
+import json
 import logging
 import os
 import random
 import shutil
 import signal
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 import auto
 import distributed
-from config import ConfigError, DataConfig
+import imagefolder
+from config import ConfigError, DataConfig, load_factory
 from distributed import DistInfo
 
 log = logging.getLogger(__name__)
@@ -70,43 +73,44 @@ class ImageTensors(Dataset):
         return self.images[index], int(self.labels[index])
 
 
-class ImageFiles(Dataset):
-    """The user's own `root/<class>/*` images as uint8 RGB tensors resized to a square."""
-
-    def __init__(self, root: Path, image_size: int, classes: list[str] | None = None) -> None:
-        from torchvision import datasets  # imported when used: it is slow to import
-
-        self.folder = datasets.ImageFolder(str(root))
-        if classes is not None and self.folder.classes != classes:
-            raise ValueError(
-                f"class folders of {root} {self.folder.classes} differ from the "
-                f"training set's {classes}"
-            )
-        from torchvision.transforms import v2
-
-        self.resize = v2.Resize((image_size, image_size), antialias=True)
-        self.to_tensor = v2.functional.pil_to_tensor
-
-    def __len__(self) -> int:
-        return len(self.folder.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        try:
-            image, label = self.folder[index]  # PIL decode, converted to RGB
-        except Exception as err:  # PIL's truncation error does not name the file
-            path = self.folder.samples[index][0]
-            raise OSError(f"cannot read image {path}: {type(err).__name__}: {err}") from err
-        return self.resize(self.to_tensor(image)), label
-
-
 @dataclass(frozen=True)
 class DataSplits:
+    """What a run trains and evaluates on. Images are (C, H, W) tensors: uint8 ones are
+    normalised on the device with `mean` and `std` (in [0, 1] units), float ones are used as
+    they are."""
+
     train: Dataset
     eval: Dataset
-    in_channels: int
+    input_shape: tuple[int, ...]  # (C, H, W) of every sample
     num_classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    classes: tuple[str, ...] | None = None  # class names by label, when the dataset has them
+
+    @property
+    def in_channels(self) -> int:
+        return self.input_shape[0]
+
+
+@dataclass(frozen=True)
+class UserData:
+    """What a `data.factory` function returns (or a mapping with these keys).
+
+    `train` and `eval` are map-style datasets (`__len__`, `__getitem__(index)`) of
+    `(image, label)` pairs: image a (C, H, W) tensor of `input_shape`, uint8 (normalised on the
+    device with `mean` and `std`, in [0, 1] units, default 0.5 for both) or float (used as
+    is); label an int in [0, num_classes). Training samples get this pipeline's augmentation
+    (random crop, flip: data.augment) and sampler; a dataset must not draw random numbers of
+    its own, or a resumed run differs from an uninterrupted one.
+    """
+
+    train: Dataset
+    eval: Dataset
+    num_classes: int
+    input_shape: tuple[int, ...]
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    classes: tuple[str, ...] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,10 +172,11 @@ def _fashion_mnist(cfg: DataConfig) -> DataSplits:
     return DataSplits(
         ImageTensors(train.data.unsqueeze(1), train.targets),
         ImageTensors(test.data.unsqueeze(1), test.targets),
-        1,
+        (1, 28, 28),
         10,
         mean,
         std,
+        tuple(train.classes),
     )
 
 
@@ -192,7 +197,8 @@ def _cifar10(cfg: DataConfig) -> DataSplits:
         return ImageTensors(images, torch.tensor(ds.targets))
 
     mean, std = STATS["cifar10"]
-    return DataSplits(to_tensors(train), to_tensors(test), 3, 10, mean, std)
+    classes = tuple(train.classes)
+    return DataSplits(to_tensors(train), to_tensors(test), (3, 32, 32), 10, mean, std, classes)
 
 
 def _imagefolder(cfg: DataConfig) -> DataSplits:
@@ -203,15 +209,15 @@ def _imagefolder(cfg: DataConfig) -> DataSplits:
                 f"imagefolder needs {root / split}/<class>/<image> folders; {root / split} "
                 "does not exist (set --data.root to the folder holding train/ and val/)"
             )
-    train = ImageFiles(root / "train", cfg.image_size)
-    test = ImageFiles(root / "val", cfg.image_size)
-    train_classes, val_classes = train.folder.classes, test.folder.classes
-    if val_classes != train_classes:  # labels are indices into the sorted class folders
-        missing = sorted(set(train_classes) - set(val_classes))
-        extra = sorted(set(val_classes) - set(train_classes))
+    options = (cfg.image_size, cfg.crop_ratio, cfg.crop_scale, cfg.bad_images == "skip")
+    train = imagefolder.ImageFolder(root / "train", *options)
+    test = imagefolder.ImageFolder(root / "val", *options)
+    if test.classes != train.classes:  # labels are indices into the sorted class folders
+        missing = sorted(set(train.classes) - set(test.classes))
+        extra = sorted(set(test.classes) - set(train.classes))
         raise ConfigError(
-            f"imagefolder class folders differ between {root / 'train'} {train_classes} and "
-            f"{root / 'val'} {val_classes}: "
+            f"imagefolder class folders differ between {root / 'train'} {train.classes} and "
+            f"{root / 'val'} {test.classes}: "
             + "; ".join(
                 part
                 for part in (
@@ -223,7 +229,8 @@ def _imagefolder(cfg: DataConfig) -> DataSplits:
             + ". Both need the same class folders (a label is a class's index in sorted order)"
         )
     mean, std = STATS["imagefolder"]
-    return DataSplits(train, test, 3, len(train.folder.classes), mean, std)
+    shape = (3, cfg.image_size, cfg.image_size)
+    return DataSplits(train, test, shape, len(train.classes), mean, std, tuple(train.classes))
 
 
 def make_synthetic(
@@ -255,8 +262,65 @@ def _synthetic(cfg: DataConfig) -> DataSplits:
     )
     channels = shape[0]
     return DataSplits(
-        train, test, channels, cfg.synthetic_num_classes, (0.5,) * channels, (0.25,) * channels
+        train, test, shape, cfg.synthetic_num_classes, (0.5,) * channels, (0.25,) * channels
     )
+
+
+def _user_data(cfg: DataConfig) -> DataSplits:
+    """The datasets data.factory returns (`UserData`), checked on their first samples."""
+    where = f"data.factory={cfg.factory}"
+    made = load_factory("data.factory", cfg.factory)(root=cfg.root, **json.loads(cfg.kwargs))
+    if isinstance(made, Mapping):
+        fields = {f.name for f in dataclasses.fields(UserData)}
+        unknown = sorted(set(made) - fields)
+        if unknown or not {"train", "eval", "num_classes", "input_shape"} <= made.keys():
+            raise ConfigError(
+                f"{where} returned a mapping with keys {sorted(made)}: it needs train, eval, "
+                "num_classes, input_shape, and may have mean, std, classes"
+            )
+        made = UserData(**made)
+    if not isinstance(made, UserData):
+        raise ConfigError(
+            f"{where} returned {type(made).__name__}: return a data.UserData (or a mapping "
+            "with its fields: train, eval, num_classes, input_shape)"
+        )
+    shape = tuple(made.input_shape)
+    if not isinstance(made.num_classes, int) or made.num_classes < 2:
+        raise ConfigError(f"{where}: num_classes={made.num_classes!r} is not a count >= 2")
+    if len(shape) != 3 or not all(isinstance(n, int) and n >= 1 for n in shape):
+        raise ConfigError(f"{where}: input_shape={made.input_shape!r} is not (C, H, W)")
+    for split in ("train", "eval"):
+        _check_sample(where, split, getattr(made, split), shape, made.num_classes)
+    channels = shape[0]
+    mean = tuple(made.mean) if made.mean is not None else (0.5,) * channels
+    std = tuple(made.std) if made.std is not None else (0.5,) * channels
+    classes = tuple(made.classes) if made.classes is not None else None
+    return DataSplits(made.train, made.eval, shape, made.num_classes, mean, std, classes)
+
+
+def _check_sample(
+    where: str, split: str, dataset: Any, shape: tuple[int, ...], num_classes: int
+) -> None:
+    """A factory's dataset is map-style and not empty, and its first sample has the declared
+    shape and a label in range."""
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ConfigError(
+            f"{where}: {split} is a {type(dataset).__name__}, not a map-style dataset "
+            "(__len__ and __getitem__)"
+        )
+    if len(dataset) == 0:
+        raise ConfigError(f"{where}: the {split} dataset is empty")
+    sample = dataset[0]
+    if not (isinstance(sample, tuple | list) and len(sample) == 2):
+        raise ConfigError(f"{where}: {split}[0] is not an (image, label) pair")
+    image, label = sample
+    if not isinstance(image, torch.Tensor) or tuple(image.shape) != shape:
+        got = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise ConfigError(f"{where}: {split}[0]'s image is {got}, not a tensor of {shape}")
+    if not (image.dtype == torch.uint8 or image.is_floating_point()):
+        raise ConfigError(f"{where}: {split}[0]'s image is {image.dtype}: use uint8 or float")
+    if not 0 <= int(label) < num_classes:
+        raise ConfigError(f"{where}: {split}[0]'s label {label!r} is not in [0, {num_classes})")
 
 
 _BUILDERS = {
@@ -274,7 +338,7 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     progress logged), then every rank loads. The wait ends for every rank also when
     preparation fails, so a missing dataset fails fast everywhere instead of hanging the others.
     """
-    builder = _BUILDERS[cfg.dataset]
+    builder = _user_data if cfg.factory else _BUILDERS[cfg.dataset]
     prepared: list[DataSplits] = []
 
     def prepare() -> None:
@@ -283,28 +347,29 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     # Bounded by data.prepare_timeout_s, not dist.timeout_s: a download may take long.
     distributed.run_on_node_leaders_bounded(
         info,
-        f"the {cfg.dataset} dataset to be prepared",
+        f"the dataset ({cfg.source}) to be prepared",
         prepare,
         cfg.prepare_timeout_s,
         "data.prepare_timeout_s",
         progress_every_s=min(30.0, cfg.prepare_timeout_s / 10),
     )
     splits = prepared[0] if prepared else builder(cfg)
+    for name in ("mean", "std"):  # data.mean/std: the user's normalisation
+        given = getattr(cfg, name)
+        if given and len(given) != splits.in_channels:
+            raise ConfigError(
+                f"data.{name}={','.join(map(str, given))} has {len(given)} values; the data has "
+                f"{splits.in_channels} channels"
+            )
+        splits = replace(splits, **{name: tuple(given)}) if given else splits
     if cfg.subset:
-        if cfg.subset > len(splits.train):
+        if cfg.subset > len(splits.train):  # type: ignore[arg-type]
             raise ConfigError(
                 f"data.subset={cfg.subset} exceeds the {len(splits.train)} training samples "  # type: ignore[arg-type]
-                f"of {cfg.dataset} (the dataset's size): use at most that, or 0 for all"
+                f"of {cfg.source} (the dataset's size): use at most that, or 0 for all"
             )
-        order = torch.randperm(len(splits.train), generator=torch.Generator().manual_seed(seed))
-        splits = DataSplits(
-            Subset(splits.train, order[: cfg.subset].tolist()),
-            splits.eval,
-            splits.in_channels,
-            splits.num_classes,
-            splits.mean,
-            splits.std,
-        )
+        order = torch.randperm(len(splits.train), generator=torch.Generator().manual_seed(seed))  # type: ignore[arg-type]
+        splits = replace(splits, train=Subset(splits.train, order[: cfg.subset].tolist()))
     return splits
 
 
@@ -320,8 +385,13 @@ def fingerprint(splits: DataSplits) -> str:
             stride = max(1, len(dataset) // 256)  # every stride-th image: fast, yet sensitive
             digest.update(dataset.labels.numpy().tobytes())
             digest.update(dataset.images[::stride].contiguous().numpy().tobytes())
-        elif isinstance(dataset, ImageFiles):
-            digest.update(repr(dataset.folder.samples).encode())
+        elif isinstance(dataset, imagefolder.ImageFolder):
+            digest.update(repr(dataset.samples).encode())
+        elif len(dataset):  # type: ignore[arg-type]
+            # Another map-style dataset (a data.factory's): its first, middle and last samples.
+            for index in sorted({0, len(dataset) // 2, len(dataset) - 1}):  # type: ignore[arg-type]
+                image, label = dataset[index]
+                digest.update(image.contiguous().numpy().tobytes() + str(int(label)).encode())
         digest.update(str(len(dataset)).encode())  # type: ignore[arg-type]
     return digest.hexdigest()[:12]
 
@@ -361,10 +431,15 @@ class Augmented(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
         """(image, label, index): the index lets the trainer account for every sample seen."""
         epoch, index = key
-        image, label = self.base[index]
         if not self.enabled:
+            image, label = self.base[index]
             return image, label, index
         h = _mix64(self.seed, epoch, index)
+        folder = self.base.dataset if isinstance(self.base, Subset) else self.base
+        if isinstance(folder, imagefolder.ImageFolder):  # its own training crop and flip
+            in_folder = self.base.indices[index] if isinstance(self.base, Subset) else index
+            return (*folder.augmented_item(in_folder, h), index)
+        image, label = self.base[index]
         if self.padding:
             span = 2 * self.padding + 1
             top, left = h % span, (h >> 16) % span
@@ -603,7 +678,7 @@ def build_train_loader(
             "samples; lower data.batch_size (or use fewer ranks)"
         )
     if loader is None:
-        loader = auto.loader(cfg.loader, cfg.dataset, in_memory_numel(splits.train), info.device)
+        loader = auto.loader(cfg.loader, cfg.source, in_memory_numel(splits.train), info.device)
     if loader == "device":
         base = in_memory(splits.train)
         assert base is not None, "auto.loader chose the device path for a dataset read from files"
@@ -663,5 +738,8 @@ class Preprocess:
         # non_blocking: with pinned memory the copy overlaps with compute already queued.
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        images = (images.float() - self.mean) * self.inv_std
+        if images.dtype == torch.uint8:
+            images = (images.float() - self.mean) * self.inv_std
+        else:  # a data.factory's float images: used as they are
+            images = images.float()
         return images.contiguous(memory_format=self.memory_format), labels

@@ -20,6 +20,9 @@ import distributed
 from config import OptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+# The label of a sample that is in the batch but not counted (an unreadable image skipped by
+# data.bad_images=skip): cross-entropy's default ignore_index, so its loss and gradient are 0.
+IGNORED = -100
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
@@ -93,8 +96,9 @@ class StepStats:
 
     loss_sum: torch.Tensor  # sum over this rank's samples of the training loss
     correct: torch.Tensor  # this rank's correctly classified training samples
-    num_samples: int
+    num_samples: int  # samples in the batches, counted or not
     grad_norm: torch.Tensor  # global gradient L2 norm before clipping
+    labelled: torch.Tensor  # samples counted in loss_sum and correct (not IGNORED)
 
 
 def forward_backward(
@@ -117,6 +121,7 @@ def forward_backward(
     num_micro = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
+    labelled = torch.zeros((), device=device, dtype=torch.long)
     for i, (images, labels) in enumerate(micro_batches):
         # Only the last micro-step all-reduces; forward AND backward sit inside no_sync.
         with distributed.gradient_sync(model, enabled=i == num_micro - 1):
@@ -124,12 +129,15 @@ def forward_backward(
                 logits = model(images)
                 loss = loss_fn(logits, labels)
             scaler.scale(loss / num_micro).backward()
-        loss_sum += loss.detach().float() * len(labels)
+        counted = (labels != IGNORED).sum()  # the loss is the mean over these
+        loss_sum += loss.detach().float() * counted
         correct += (logits.detach().argmax(dim=1) == labels).sum()
+        labelled += counted
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     max_norm = grad_clip if grad_clip > 0 else math.inf
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return StepStats(loss_sum, correct, sum(len(labels) for _, labels in micro_batches), grad_norm)
+    num_samples = sum(len(labels) for _, labels in micro_batches)
+    return StepStats(loss_sum, correct, num_samples, grad_norm, labelled)
 
 
 def apply_update(
@@ -202,7 +210,7 @@ def evaluate(
         loss = nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
         totals[0] += loss.double()
         totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += len(labels)
+        totals[2] += (labels != IGNORED).sum()  # cross_entropy leaves IGNORED out too
     bare.train(was_training)
     loss_sum, correct, count = distributed.all_reduce_sum(totals).tolist()
     denominator = max(count, 1.0)

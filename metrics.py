@@ -214,7 +214,7 @@ class TrainMeter:
         else:
             self.totals[0] += stats.loss_sum
             self.totals[1] += stats.correct
-            self.totals[2] += stats.num_samples
+            self.totals[2] += stats.labelled
         self.samples += stats.num_samples
         self.data_wait_s += data_wait_s
         self.steps += 1

@@ -1,12 +1,23 @@
-"""MiniResNet: a small residual network for 28x28 and 32x32 images. It knows nothing of DDP."""
+"""The network: MiniResNet (a small residual network for 28x28 and 32x32 images), any
+torchvision classification builder by name, or the user's own factory; and initial weights
+from a local file. Nothing here knows of DDP.
+"""
 
 from __future__ import annotations
 
+import difflib
+import json
+import logging
 from collections.abc import Sequence
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from config import MINI_RESNET, ConfigError, ModelConfig, load_factory
+
+log = logging.getLogger(__name__)
 
 Norm = Literal["batch", "syncbatch", "group", "none"]
 
@@ -106,3 +117,235 @@ class MiniResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))
         return self.head(self.dropout(torch.flatten(self.pool(x), 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Any model: by name or by factory
+
+
+def names() -> list[str]:
+    """Every model.name: mini_resnet, then torchvision's classification builders."""
+    from torchvision import models  # imported when used: it is slow to import
+
+    return [MINI_RESNET, *models.list_models(module=models)]
+
+
+def check(cfg: ModelConfig) -> None:
+    """Bad input found before any process group or data: an unknown model.name (with the
+    nearest names), a model.factory that cannot be imported."""
+    if cfg.factory:
+        load_factory("model.factory", cfg.factory)
+        return
+    available = names()
+    if cfg.name not in available:
+        nearest = difflib.get_close_matches(cfg.name, available, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(nearest)}? " if nearest else ""
+        raise ConfigError(
+            f"invalid value for model.name: {cfg.name!r} is not a model here ({hint}"
+            "--model.list prints every name; your own model goes in model.factory)"
+        )
+
+
+def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    """The untrained model for inputs of `input_shape` (C, H, W) and `num_classes` classes, on
+    the CPU, checked with one forward pass (a model that cannot take such inputs is bad input,
+    said before any training)."""
+    check(cfg)
+    kwargs: dict[str, Any] = json.loads(cfg.kwargs)
+    in_channels = input_shape[0]
+    if cfg.factory:
+        factory = load_factory("model.factory", cfg.factory)
+        model = factory(in_channels=in_channels, num_classes=num_classes, **kwargs)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"model.factory={cfg.factory} returned {type(model).__name__}, not a "
+                "torch.nn.Module"
+            )
+        what = f"model.factory={cfg.factory}"
+    elif cfg.name == MINI_RESNET:
+        options = {"widths": cfg.widths, "blocks_per_stage": cfg.blocks_per_stage}
+        options |= {"norm": cfg.norm, "dropout": cfg.dropout, **kwargs}
+        model = MiniResNet(in_channels=in_channels, num_classes=num_classes, **options)
+        what = f"model.name={cfg.name}"
+    else:
+        model = _torchvision(cfg.name, in_channels, num_classes, kwargs)
+        what = f"model.name={cfg.name}"
+    _check_forward(model, what, input_shape, num_classes)
+    return model
+
+
+def _torchvision(
+    name: str, in_channels: int, num_classes: int, kwargs: dict[str, Any]
+) -> nn.Module:
+    from torchvision import models
+
+    if name in ("googlenet", "inception_v3"):  # their auxiliary heads return tuples in training
+        kwargs = {"aux_logits": False, **kwargs}
+    try:  # weights=None: built untrained, nothing is downloaded
+        model = models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model.name={name} with model.kwargs={kwargs}: {err}") from None
+    adapt_stem(model, in_channels)
+    return model
+
+
+def _first_conv(model: nn.Module) -> tuple[str, nn.Conv2d] | None:
+    return next(((name, m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+
+
+def adapt_stem(model: nn.Module, in_channels: int) -> None:
+    """Make the first convolution (built for RGB) take `in_channels` channels, its weights
+    summed or repeated over the new channels (`fit_stem_weight`) so that the layer's output
+    statistics, and any pretrained filters loaded later, keep their meaning."""
+    found = _first_conv(model)
+    if found is None or found[1].in_channels == in_channels:
+        return
+    name, old = found
+    new = nn.Conv2d(
+        in_channels,
+        old.out_channels,
+        old.kernel_size,  # type: ignore[arg-type]
+        old.stride,  # type: ignore[arg-type]
+        old.padding,  # type: ignore[arg-type]
+        old.dilation,  # type: ignore[arg-type]
+        bias=old.bias is not None,
+        padding_mode=old.padding_mode,
+    )
+    with torch.no_grad():
+        new.weight.copy_(fit_stem_weight(old.weight, in_channels))
+        if old.bias is not None:
+            new.bias.copy_(old.bias)  # type: ignore[union-attr]
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attribute, new)
+
+
+def fit_stem_weight(weight: torch.Tensor, in_channels: int) -> torch.Tensor:
+    """A convolution weight (out, c, kh, kw) for `in_channels` inputs: summed over c for one
+    channel (a gray image seen as equal R, G and B gives the same output), else its channels
+    repeated cyclically and scaled by c / in_channels (the same output for a repeated image)."""
+    if in_channels == 1:
+        return weight.sum(dim=1, keepdim=True)
+    channels = weight.shape[1]
+    index = torch.arange(in_channels) % channels
+    return weight[:, index] * (channels / in_channels)
+
+
+def _check_forward(
+    model: nn.Module, what: str, input_shape: Sequence[int], num_classes: int
+) -> None:
+    """One sample through the model in eval mode (no statistic updated, no random number
+    drawn): logits of shape (1, num_classes), or bad input naming the model and the shape."""
+    shape = "x".join(map(str, input_shape))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(1, *input_shape))
+    except Exception as err:  # a model's own check (an assert) or a shape mismatch inside it
+        raise ConfigError(
+            f"{what} cannot take {shape} inputs ({type(err).__name__}: {err}); too small an "
+            "image for it? Raise data.image_size, or choose another model"
+        ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, num_classes):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(
+            f"{what} returns {got} for a batch of one {shape} input, not logits of shape "
+            f"(1, {num_classes})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Initial weights from a file
+
+
+def _classifier_keys(model: nn.Module) -> set[str]:
+    """The state-dict keys of the model's last Linear layer: its classifier."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return set()
+    prefix = f"{linears[-1]}." if linears[-1] else ""
+    return {f"{prefix}weight", f"{prefix}bias"}
+
+
+def _bare(state: Any) -> dict[str, torch.Tensor] | None:
+    """A state dict of tensors out of what a weights file holds: a bare state dict, or one
+    under "model" or "state_dict" (this pipeline's checkpoints, timm, Lightning), with DDP's
+    `module.` and torch.compile's `_orig_mod.` prefixes removed."""
+    if isinstance(state, dict):
+        for key in ("model", "state_dict"):
+            if isinstance(state.get(key), dict):
+                state = state[key]
+                break
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        return None
+    bare = {}
+    for key, value in state.items():
+        for prefix in ("module.", "_orig_mod."):
+            key = key.removeprefix(prefix)
+        bare[key] = value
+    return bare
+
+
+def _but_channels(shape: torch.Size) -> tuple[int, ...]:
+    return (shape[0], *shape[2:])
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Initialise `model` from the state dict in `path` (torch.load with weights_only: a file
+    cannot run code). A classifier shaped for another number of classes stays as built; a
+    first convolution for another number of input channels is fitted (`fit_stem_weight`).
+    Anything else that does not fit is bad input naming the keys."""
+    where = f"model.weights={path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: the file does not exist")
+    try:
+        state = _bare(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as err:  # not a torch file, truncated, or objects weights_only refuses
+        raise ConfigError(f"{where} cannot be loaded (weights_only): {err}") from None
+    if state is None:
+        raise ConfigError(f"{where} holds no state dict (a dict of tensors by parameter name)")
+    own = model.state_dict()
+    classifier = _classifier_keys(model)
+    stem = _first_conv(model)
+    stem_key = f"{stem[0]}.weight" if stem else None
+    kept, replaced, misshapen = {}, [], []
+    for key, value in state.items():
+        if key not in own or value.shape == own[key].shape:
+            kept[key] = value
+        elif key in classifier:
+            replaced.append(key)
+        elif key == stem_key and _but_channels(value.shape) == _but_channels(own[key].shape):
+            kept[key] = fit_stem_weight(value, own[key].shape[1])
+        else:
+            misshapen.append(f"{key} {tuple(value.shape)} (the model's: {tuple(own[key].shape)})")
+    missing = [
+        key
+        for key in own
+        if key not in state and not key.endswith("num_batches_tracked")  # older files lack it
+    ]
+    unexpected = [key for key in state if key not in own]
+    problems = [
+        f"{label}: {', '.join(keys[:8])}{f' and {len(keys) - 8} more' if len(keys) > 8 else ''}"
+        for label, keys in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("misshapen", misshapen),
+        )
+        if keys
+    ]
+    if problems:
+        raise ConfigError(f"{where} does not fit the model: {'; '.join(problems)}")
+    model.load_state_dict(kept, strict=False)
+    log.info(
+        "initialised the model from %s (%d tensors)%s",
+        path,
+        len(kept),
+        f"; the classifier ({', '.join(sorted(replaced))}) was sized for another number of "
+        "classes and starts untrained"
+        if replaced
+        else "",
+    )

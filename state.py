@@ -228,9 +228,11 @@ class CheckpointManager:
         num_train: int,
         data_fingerprint: str,
         lease: rundir.Lease | None = None,
+        classes: tuple[str, ...] | None = None,
     ) -> None:
         self.cfg, self.info = cfg, info
         self.num_train, self.data_fingerprint = num_train, data_fingerprint
+        self.classes = list(classes) if classes is not None else None  # label -> class name
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
         self.directory = checkpoint.checkpoint_dir(cfg.run.dir)
         self.saver = checkpoint.AsyncSaver() if cfg.ckpt.async_save else None
@@ -293,6 +295,7 @@ class CheckpointManager:
             "world_size": self.info.world_size,
             "global_batch_size": global_batch_size(self.cfg, self.info.world_size),
             "data_fingerprint": self.data_fingerprint,
+            "classes": self.classes,
             "config": config_dict,
             "config_hash": config_hash,
             "torch_version": str(torch.__version__),  # a plain str: weights_only loads it
@@ -393,6 +396,19 @@ class CheckpointManager:
                 f"moments) does not carry over. Resume with --optim.name={old_name}, or start a "
                 "new run.dir"
             )
+        saved_classes = state.get("classes")
+        if saved_classes is not None and self.classes is not None and saved_classes != self.classes:
+            gone = sorted(set(saved_classes) - set(self.classes))
+            new = sorted(set(self.classes) - set(saved_classes))
+            raise ConfigError(
+                f"checkpoint {path} was trained on the classes {_listed(saved_classes)}; this "
+                f"run's data has {_listed(self.classes)}"
+                + (f" (gone: {', '.join(gone)})" if gone else "")
+                + (f" (new: {', '.join(new)})" if new else "")
+                + ". A label is a class's index in that list: resume with the same class "
+                "folders, or start a new run.dir (model.weights can initialise it from this "
+                "checkpoint)"
+            )
         position = state.get("position", {})
         if position.get("samples_in_epoch", 0) > self.num_train:
             raise ConfigError(
@@ -434,6 +450,7 @@ _META_KEYS = (
     "world_size",
     "global_batch_size",
     "data_fingerprint",
+    "classes",
     "config",
     "config_hash",
     "torch_version",
@@ -461,6 +478,11 @@ def upgrade(state: dict[str, Any], path: Path) -> dict[str, Any]:
     if isinstance(state.get("rng"), list):
         state["rng"] = {"per_rank": state["rng"]}
     return state
+
+
+def _listed(names: list[str], most: int = 12) -> str:
+    shown = ", ".join(names[:most])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > most else ''}]"
 
 
 def _flatten(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:

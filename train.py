@@ -15,16 +15,18 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
 
     from config import ConfigError, parse_args
 
-    try:
-        _early_cfg = parse_args()
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    # Stop signals that arrive before the training loop's handler is installed (torch's import
-    # alone takes seconds, and a scheduler may signal at any time): that handler acts on them.
     _EARLY_SIGNALS: list[int] = []
-    for _name in _early_cfg.run.preempt_signals:
-        signal.signal(signal.Signals[_name], lambda signum, _: _EARLY_SIGNALS.append(signum))
+    if "--model.list" not in sys.argv:  # that prints the model names (main), nothing to check
+        try:
+            _early_cfg = parse_args()
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        # Stop signals that arrive before the training loop's handler is installed (torch's
+        # import alone takes seconds, and a scheduler may signal at any time): that handler
+        # acts on them.
+        for _name in _early_cfg.run.preempt_signals:
+            signal.signal(signal.Signals[_name], lambda signum, _: _EARLY_SIGNALS.append(signum))
 
 import contextlib
 import logging
@@ -44,15 +46,22 @@ import checkpoint
 import data
 import distributed
 import engine
+import model as models
 import preflight
 import resilience
 import rundir
 import state
-from config import Config, ConfigError, for_world_size, global_batch_size, parse_args
+from config import (
+    Config,
+    ConfigError,
+    for_world_size,
+    global_batch_size,
+    load_factory,
+    parse_args,
+)
 from distributed import DistInfo
 from instruments import Instruments
 from metrics import MetricsWriter
-from model import MiniResNet
 
 log = logging.getLogger("train")
 
@@ -108,7 +117,7 @@ class Trainer:
         self.loss_fn: nn.Module = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
         self.ledger = resilience.SampleLedger()
         self.checkpoints = state.CheckpointManager(
-            cfg, info, self.num_train, data_fingerprint, lease
+            cfg, info, self.num_train, data_fingerprint, lease, splits.classes
         )
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
@@ -195,6 +204,8 @@ class Trainer:
     def resume(self) -> None:
         """Continue from the newest checkpoint if there is one, then settle the run dir."""
         resumed = self.checkpoints.resume()
+        if resumed is None and self.cfg.model.weights:
+            self.load_weights(self.cfg.model.weights)
         if resumed is not None:
             self.pending_eval = resumed.pending_eval
             log.info(
@@ -239,6 +250,16 @@ class Trainer:
             self.instruments.count_flops(
                 self.model, sample, self.loss_fn, self.amp_dtype or torch.float32
             )
+
+    def load_weights(self, path: str) -> None:
+        """Start from the weights in `path` (model.weights), on every rank (collective: a rank
+        that cannot load them fails every rank)."""
+        error = None
+        try:
+            models.load_weights(distributed.unwrap_model(self.model), path)
+        except ConfigError as err:
+            error = err
+        distributed.raise_if_any_failed(self.info, error, f"loading model.weights={path}")
 
     def train_epoch(self) -> str | None:
         """The rest of the epoch (or of the run); the loader's iterator ends with it."""
@@ -416,19 +437,13 @@ def configure_cuda(cfg: Config, info: DistInfo) -> None:
 def build_model(
     cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
 ) -> nn.Module:
-    """The model on this rank's device, the same initial weights on every rank; in
-    channels_last memory format as model.channels_last resolves (auto.channels_last)."""
+    """The model (model.name or model.factory) on this rank's device, the same initial
+    weights on every rank; in channels_last memory format as model.channels_last resolves
+    (auto.channels_last)."""
     if channels_last is None:
         channels_last = auto.channels_last(cfg.model.channels_last, info.device)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model: nn.Module = MiniResNet(
-        in_channels=splits.in_channels,
-        num_classes=splits.num_classes,
-        widths=cfg.model.widths,
-        blocks_per_stage=cfg.model.blocks_per_stage,
-        norm=cfg.model.norm,
-        dropout=cfg.model.dropout,
-    )
+    model = models.build(cfg.model, splits.input_shape, splits.num_classes)
     if cfg.model.norm == "syncbatch" and info.world_size > 1:
         if info.device.type != "cuda":
             raise ConfigError(
@@ -576,8 +591,15 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
 @distributed.record
 def main(argv: list[str] | None = None) -> int:
     """Run training; the exit codes are listed in resilience.py and the README."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--model.list" in argv:
+        print("\n".join(models.names()))
+        return 0
     try:
         cfg = parse_args(argv)  # before any process group: a typo fails in seconds
+        models.check(cfg.model)
+        if cfg.data.factory:
+            load_factory("data.factory", cfg.data.factory)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         report_to_launcher("TRAIN_BAD_INPUT_MARKER", f"bad input: {err}")

@@ -115,7 +115,7 @@ def test_two_ranks_see_the_same_samples_as_one_rank_with_twice_the_batch() -> No
     splits = data.DataSplits(
         data.make_synthetic(256, (1, 8, 8), 10, seed=0),
         data.make_synthetic(8, (1, 8, 8), 10, seed=1),
-        1,
+        (1, 8, 8),
         10,
         (0.5,),
         (0.25,),
@@ -141,7 +141,7 @@ def test_loader_with_workers_matches_loader_without(tmp_path) -> None:
     splits = data.DataSplits(
         data.make_synthetic(128, (1, 8, 8), 10, seed=0),
         data.make_synthetic(8, (1, 8, 8), 10, seed=1),
-        1,
+        (1, 8, 8),
         10,
         (0.5,),
         (0.25,),
@@ -266,7 +266,7 @@ def test_imagefolder_without_val_split_is_a_clear_error(tmp_path) -> None:
 
 
 def test_preprocess_normalises_on_device() -> None:
-    splits = data.DataSplits(None, None, 1, 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    splits = data.DataSplits(None, None, (1, 28, 28), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
     images, labels = data.Preprocess(splits, CPU, channels_last=False)(
         torch.tensor([[[[0, 255]]]], dtype=torch.uint8), torch.tensor([3])
     )
@@ -280,7 +280,7 @@ def test_device_path_yields_the_dataloader_batches_bit_for_bit(augment, padding)
     every batch of a resumed epoch on rank 1 of 2, from a data.subset (a Subset)."""
     base = data.make_synthetic(600, (3, 12, 12), 10, seed=0)
     train_set = Subset(base, list(range(0, 600, 2)))
-    splits = data.DataSplits(train_set, base, 3, 10, (0.5,) * 3, (0.25,) * 3)
+    splits = data.DataSplits(train_set, base, (3, 12, 12), 10, (0.5,) * 3, (0.25,) * 3)
     batches = {}
     for loader_kind in ("dataloader", "device"):
         cfg = DataConfig(

@@ -147,7 +147,7 @@ def test_one_gradient_allreduce_per_optimizer_step_with_accumulation(tmp_path) -
 
 def _evaluate(info: DistInfo, state: dict) -> engine.EvalResult:
     dataset = data.make_synthetic(1001, (1, 28, 28), 10, seed=7)
-    splits = data.DataSplits(dataset, dataset, 1, 10, (0.5,), (0.25,))
+    splits = data.DataSplits(dataset, dataset, (1, 28, 28), 10, (0.5,), (0.25,))
     loader = data.build_eval_loader(splits, DataConfig(eval_batch_size=64, num_workers=0), info, 0)
     preprocess = data.Preprocess(splits, info.device, channels_last=False)
     model = fresh_model(norm="batch")

@@ -131,7 +131,7 @@ def test_changed_math_settings_are_reported(caplog) -> None:
 
 def test_model_mismatch_names_the_checkpoint() -> None:
     cfg = parse_args(["--model.widths=8,16"])
-    splits = train.data.DataSplits(None, None, 1, 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    splits = train.data.DataSplits(None, None, (1, 28, 28), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
     model = train.build_model(cfg, splits, ONE)
     other = train.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
     manager, _ = manager_with(cfg, model=state.ModelState(model))
@@ -211,7 +211,7 @@ def test_new_checkpointed_state_is_one_registration(tmp_path) -> None:
 
 def test_syncbatch_on_cpu_ranks_is_refused() -> None:
     cfg = parse_args(["--model.norm=syncbatch"])
-    splits = train.data.DataSplits(None, None, 1, 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    splits = train.data.DataSplits(None, None, (1, 28, 28), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="model.norm=syncbatch needs CUDA"):
         train.build_model(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
 

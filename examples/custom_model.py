@@ -1,0 +1,39 @@
+"""Your own model, trained by the pipeline without editing it:
+
+    torchrun --nproc-per-node=2 train.py --model.factory=examples.custom_model:small_cnn \
+        --model.kwargs='{"width": 48, "dropout": 0.25}'
+
+The factory is called with the data's `in_channels` and `num_classes`, plus model.kwargs. It
+returns any torch.nn.Module mapping a float batch (N, C, H, W) to logits (N, num_classes); the
+pipeline wraps it in DistributedDataParallel, autocast, torch.compile and channels_last as
+configured. Dropout and every other random draw are fine: checkpoints carry the generators.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def conv_block(in_channels: int, out_channels: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    )
+
+
+def small_cnn(
+    *, in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.2
+) -> nn.Module:
+    """Three conv-BN-ReLU stages, each halving the resolution, then dropout and a linear head."""
+    return nn.Sequential(
+        conv_block(in_channels, width),
+        nn.MaxPool2d(2),
+        conv_block(width, 2 * width),
+        nn.MaxPool2d(2),
+        conv_block(2 * width, 4 * width),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(dropout),
+        nn.Linear(4 * width, num_classes),
+    )
