@@ -210,3 +210,36 @@ def test_home_directory_is_expanded_in_paths(monkeypatch, tmp_path) -> None:
     assert cfg.data.root == f"{tmp_path}/data"
     assert cfg.ckpt.resume == f"{tmp_path}/c/step_3.pt"
     assert parse_args(["--ckpt.resume=auto"]).ckpt.resume == "auto"
+
+
+def test_builder_and_factory_kwargs_from_the_command_line_and_a_toml_table(tmp_path) -> None:
+    cfg = parse_args(["--model.name=resnet18", '--model.kwargs={"zero_init_residual": true}'])
+    assert json.loads(cfg.model.kwargs) == {"zero_init_residual": True}
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        '[model]\nfactory = "mymodels:net"\n[model.kwargs]\nwidth = 48\nsizes = [1, 2]\n'
+        "[data.kwargs]\nlimit = 100\n"
+    )
+    cfg = parse_args([f"--config={toml}"])
+    assert cfg.model.factory == "mymodels:net"
+    assert json.loads(cfg.model.kwargs) == {"width": 48, "sizes": [1, 2]}
+    assert json.loads(cfg.data.kwargs) == {"limit": 100}
+    assert json.loads(Config().model.kwargs) == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "value"),
+    [
+        (["--model.kwargs=[1, 2]"], "model.kwargs", "'[1, 2]'"),
+        (['--model.kwargs={"num_classes": 3}'], "model.kwargs", "num_classes"),
+        (["--data.factory=module_without_function"], "data.factory", "module_without_function"),
+        (["--model.name=resnet18", "--model.widths=8,16"], "model.widths", "(8, 16)"),
+        (["--model.factory=m:f", "--model.norm=group"], "model.norm", "group"),
+        (["--data.crop_scale=0.5,0.1"], "data.crop_scale", "(0.5, 0.1)"),
+        (["--data.crop_ratio=1.5"], "data.crop_ratio", "1.5"),
+        (["--data.mean=0.5,0.5", "--data.std=0.2"], "data.std", "(0.2,)"),
+    ],
+)
+def test_model_and_data_choices_name_field_and_value(argv, field, value, capsys) -> None:
+    reason, _ = rejected(argv, capsys)
+    assert field in reason and value in reason, reason

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +17,7 @@ from torchvision import datasets
 
 import auto
 import data
-from config import DataConfig
+from config import ConfigError, DataConfig
 from distributed import DistInfo
 
 CPU = torch.device("cpu")
@@ -301,3 +305,89 @@ def test_device_path_needs_an_in_memory_dataset(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="data.loader=device needs an in-memory dataset"):
         auto.loader("device", "imagefolder", None, CPU)
+
+
+def user_factory(monkeypatch, made: Any) -> DataConfig:
+    """A data.factory (in a module of its own) that returns `made`."""
+    module = types.ModuleType("user_data_for_test")
+    module.make = lambda root, **kwargs: made(root, **kwargs) if callable(made) else made  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "user_data_for_test", module)
+    return DataConfig(factory="user_data_for_test:make", kwargs='{"n": 40}', num_workers=0)
+
+
+def test_a_data_factory_gets_root_and_kwargs_and_feeds_the_sampler(monkeypatch) -> None:
+    def make(root: str, n: int) -> dict:
+        train = [(torch.full((2, 8, 8), i, dtype=torch.uint8), i % 3) for i in range(n)]
+        return {"train": train, "eval": train[:5], "num_classes": 3, "input_shape": (2, 8, 8)}
+
+    cfg = user_factory(monkeypatch, make)
+    splits = data.build_datasets(cfg, 0, info())
+    assert len(splits.train) == 40 and splits.input_shape == (2, 8, 8) and splits.num_classes == 3
+    assert splits.mean == (0.5, 0.5) and splits.classes is None
+    loader = data.build_train_loader(
+        splits, dataclasses.replace(cfg, augment=False, batch_size=4), info(1, 2), 0
+    )
+    data.set_epoch(loader, 0)
+    seen = [int(i) for _, _, indices in loader for i in indices]
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    assert seen == order[1::2]  # rank 1's stride of DistributedSampler's permutation
+
+
+ONE_BY_8 = {
+    "train": [(torch.zeros(1, 8, 8), 0)],
+    "eval": [(torch.zeros(1, 8, 8), 1)],
+    "num_classes": 2,
+    "input_shape": (1, 8, 8),
+}
+
+
+@pytest.mark.parametrize(
+    ("made", "message"),
+    [
+        ([1, 2], r"returned list: return a data.UserData"),
+        ({"train": []}, r"returned a mapping with keys \['train'\]"),
+        (
+            {**ONE_BY_8, "train": []},
+            "the train dataset is empty",
+        ),
+        (
+            {
+                "train": [(torch.zeros(1, 9, 8), 0)],
+                "eval": [],
+                "num_classes": 2,
+                "input_shape": (1, 8, 8),
+            },
+            r"train\[0\]'s image is \(1, 9, 8\), not a tensor of \(1, 8, 8\)",
+        ),
+        (
+            {
+                "train": [(torch.zeros(1, 8, 8), 5)],
+                "eval": [],
+                "num_classes": 2,
+                "input_shape": (1, 8, 8),
+            },
+            r"train\[0\]'s label 5 is not in \[0, 2\)",
+        ),
+        (
+            {
+                "train": [(torch.zeros(1, 8, 8), 0)],
+                "eval": 7,
+                "num_classes": 2,
+                "input_shape": (1, 8, 8),
+            },
+            r"eval is a int, not a map-style dataset",
+        ),
+    ],
+)
+def test_a_data_factory_returning_the_wrong_thing_is_bad_input(monkeypatch, made, message) -> None:
+    cfg = user_factory(monkeypatch, lambda root, n: made)
+    with pytest.raises(ConfigError, match=rf"data.factory=user_data_for_test:make.*{message}"):
+        data.build_datasets(cfg, 0, info())
+
+
+def test_float_images_of_a_factory_are_used_as_they_are() -> None:
+    splits = data.DataSplits(None, None, (1, 1, 2), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    images, _ = data.Preprocess(splits, CPU, channels_last=False)(
+        torch.tensor([[[[0.25, -3.0]]]]), torch.tensor([3])
+    )
+    assert images.tolist() == [[[[0.25, -3.0]]]]

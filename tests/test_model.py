@@ -1,8 +1,17 @@
 from __future__ import annotations
 
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
 import pytest
 import torch
+import torchvision
+from torch import nn
 
+import model as models
+from config import ConfigError, ModelConfig
 from model import MiniResNet
 
 
@@ -46,3 +55,138 @@ def test_group_norm_is_batch_split_invariant() -> None:
 def test_no_ddp_knowledge_in_state_dict_keys() -> None:
     keys = MiniResNet(in_channels=1, num_classes=10).state_dict().keys()
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Any model: torchvision builders by name, factories, weights
+
+
+def test_torchvision_builder_takes_the_data_channels_and_classes() -> None:
+    torch.manual_seed(0)
+    model = models.build(ModelConfig(name="resnet18"), (1, 28, 28), 7)
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18(num_classes=7)  # built for RGB
+    assert model.conv1.in_channels == 1 and model.fc.out_features == 7
+    # The RGB stem summed over its input channels: a gray image gives what its RGB copy gave.
+    torch.testing.assert_close(model.conv1.weight, reference.conv1.weight.sum(1, keepdim=True))
+    gray = torch.rand(2, 1, 28, 28)
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(gray), reference(gray.expand(-1, 3, -1, -1)))
+
+
+def test_a_fitted_stem_sees_a_repeated_image_as_the_original_stem_sees_it() -> None:
+    conv = nn.Conv2d(3, 8, 3)
+    rgb = torch.rand(2, 3, 9, 9)
+    reference = nn.functional.conv2d(rgb, conv.weight)
+    six = nn.functional.conv2d(torch.cat([rgb, rgb], 1), models.fit_stem_weight(conv.weight, 6))
+    torch.testing.assert_close(six, reference)
+    gray = rgb[:, :1]
+    one = nn.functional.conv2d(gray, models.fit_stem_weight(conv.weight, 1))
+    torch.testing.assert_close(one, nn.functional.conv2d(gray.expand(-1, 3, -1, -1), conv.weight))
+
+
+def test_aux_heads_are_off_so_training_gets_plain_logits() -> None:
+    model = models.build(ModelConfig(name="googlenet"), (3, 64, 64), 5).train()
+    assert model(torch.rand(2, 3, 64, 64)).shape == (2, 5)
+
+
+def test_an_unknown_name_is_bad_input_with_the_nearest_names() -> None:
+    with pytest.raises(ConfigError, match=r"'resnet19' is not a model.*resnet18"):
+        models.check(ModelConfig(name="resnet19"))
+    assert {"mini_resnet", "resnet50", "vit_b_16", "convnext_tiny"} <= set(models.names())
+
+
+def test_an_input_too_small_for_the_model_is_bad_input_naming_both() -> None:
+    with pytest.raises(ConfigError, match=r"model.name=convnext_tiny cannot take 1x28x28 inputs"):
+        models.build(ModelConfig(name="convnext_tiny"), (1, 28, 28), 10)
+    with pytest.raises(ConfigError, match=r"model.name=vit_b_16 cannot take 3x64x64"):
+        models.build(ModelConfig(name="vit_b_16"), (3, 64, 64), 10)
+
+
+def write_module(tmp_path, monkeypatch, source: str) -> str:
+    """A module of the user's in the current directory; returns its (unique) name."""
+    name = f"user_models_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_factory adds the directory
+    return name
+
+
+def test_a_factory_gets_channels_classes_and_kwargs(tmp_path, monkeypatch) -> None:
+    name = write_module(
+        tmp_path,
+        monkeypatch,
+        """
+        from torch import nn
+
+        def linear(*, in_channels, num_classes, hidden):
+            return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, hidden),
+                                 nn.Linear(hidden, num_classes))
+        """,
+    )
+    cfg = ModelConfig(factory=f"{name}:linear", kwargs='{"hidden": 5}')
+    model = models.build(cfg, (2, 8, 8), 3)
+    assert [m.out_features for m in model if isinstance(m, nn.Linear)] == [5, 3]
+
+
+@pytest.mark.parametrize(
+    ("source", "function", "message"),
+    [
+        ("raise ImportError('no module named helper')", "f", r"cannot import module .*helper"),
+        ("x = 1", "f", r"has no function 'f'"),
+        ("def f(**kwargs):\n    return 'a model'", "f", r"returned str, not a torch.nn.Module"),
+    ],
+)
+def test_a_factory_that_fails_is_bad_input_naming_it(
+    tmp_path, monkeypatch, source, function, message
+) -> None:
+    name = write_module(tmp_path, monkeypatch, source)
+    with pytest.raises(ConfigError, match=f"model.factory={name}:{function}.*{message}"):
+        models.build(ModelConfig(factory=f"{name}:{function}"), (1, 8, 8), 2)
+
+
+def test_pretrained_weights_keep_the_body_fit_the_stem_and_leave_the_classifier(
+    tmp_path,
+) -> None:
+    torch.manual_seed(1)
+    source = torchvision.models.resnet18()  # 1000 classes, RGB: an ImageNet-style file
+    path = tmp_path / "weights.pt"
+    # As DDP's module saves it, under "state_dict" (Lightning, timm and others nest it so).
+    torch.save({"state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
+    torch.manual_seed(2)
+    model = models.build(ModelConfig(name="resnet18"), (1, 32, 32), 10)
+    classifier = model.fc.weight.clone()
+    models.load_weights(model, str(path))
+    assert torch.equal(model.layer3[1].conv2.weight, source.layer3[1].conv2.weight)
+    assert torch.equal(model.bn1.running_var, source.bn1.running_var)
+    torch.testing.assert_close(model.conv1.weight, source.conv1.weight.sum(1, keepdim=True))
+    assert torch.equal(model.fc.weight, classifier)  # 10 classes, not 1000: as built
+
+
+def test_weights_that_do_not_fit_are_bad_input_naming_the_keys(tmp_path) -> None:
+    path = tmp_path / "mini.pt"
+    torch.save(MiniResNet(in_channels=1, num_classes=10).state_dict(), path)
+    model = models.build(ModelConfig(name="resnet18"), (1, 32, 32), 10)
+    with pytest.raises(ConfigError, match=r"does not fit.*missing: conv1.weight.*unexpected: stem"):
+        models.load_weights(model, str(path))
+
+
+class RunsCode:
+    """Unpickling it creates `marker`: what a malicious weights file could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_weights_file_that_would_run_code_is_refused(tmp_path) -> None:
+    path, marker = tmp_path / "evil.pt", tmp_path / "code-ran"
+    torch.save({"model": RunsCode(marker)}, path)
+    model = MiniResNet(in_channels=1, num_classes=10)
+    with pytest.raises(ConfigError, match=r"model.weights=.*evil.pt cannot be loaded"):
+        models.load_weights(model, str(path))
+    assert not marker.exists()
+    with pytest.raises(ConfigError, match="does not exist"):
+        models.load_weights(model, str(tmp_path / "absent.pt"))

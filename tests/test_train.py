@@ -256,3 +256,20 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path) -> None:
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert again[0] == expected[0] and again[1] == expected[1]
     assert torch.equal(again[2], expected[2])
+
+
+def test_resuming_with_other_class_folders_is_refused_naming_them() -> None:
+    """A label is a class's index: a renamed, added or removed class folder silently re-labels
+    the data, so the checkpoint's class list must match."""
+    cfg = Config()
+    classes = ("cat", "dog", "fox")
+    manager = state.CheckpointManager(cfg, ONE, 60000, "abc", classes=classes)
+    manager.register("position", state.Position())
+    assert manager._meta(3, None, False)["classes"] == list(classes)
+    manager.restore(Path("same.pt"), saved_state(cfg, classes=["cat", "dog", "fox"]))
+    with pytest.raises(
+        ConfigError,
+        match=r"old.pt was trained on the classes \[cat, dog, owl\].*gone: owl.*new: fox",
+    ):
+        manager.restore(Path("old.pt"), saved_state(cfg, classes=["cat", "dog", "owl"]))
+    manager.restore(Path("older.pt"), saved_state(cfg))  # written before classes were saved
