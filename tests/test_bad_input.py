@@ -113,6 +113,26 @@ def make_python_version_differ_on_rank_1(tmp: Path) -> None:
     )
 
 
+def make_user_modules(tmp: Path) -> None:
+    """A module of the user's (on PYTHONPATH) whose factories return the wrong things."""
+    (tmp / "site").mkdir()
+    (tmp / "site" / "user_wrong.py").write_text(
+        "def model(**kwargs):\n    return 'a model'\n\n"
+        "def data(**kwargs):\n    return [1, 2, 3]\n"
+    )
+
+
+def make_resnet18_weights(tmp: Path) -> None:
+    import torch
+    import torchvision
+
+    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), tmp / "resnet18.pt")
+
+
+# A torchvision model instead of BASE_ARGS's small MiniResNet (whose widths are its alone).
+MODEL_DEFAULTS = ("--model.widths=16,32,64",)
+
+
 @dataclass(frozen=True)
 class Case:
     """One bad input. `{run}`, `{data}`, `{tmp}` and `{toml}` in args and patterns are paths."""
@@ -182,6 +202,49 @@ CASES = [
         ("--data.dataset=imagefolder", "--data.root={data}/img"),
         patterns=("{data}/img/train", "{data}/img/val", "dogs"),
         prepare=make_imagefolder_missing_val_class,
+        exit_code=2,
+    ),
+    Case(
+        "unknown_model_name",
+        (*MODEL_DEFAULTS, "--model.name=resnet19"),
+        "model.name",
+        "'resnet19'",
+        patterns=("resnet18", "--model.list"),
+        exit_code=2,
+    ),
+    Case(
+        "input_too_small_for_the_model",
+        (*MODEL_DEFAULTS, "--model.name=convnext_tiny"),
+        patterns=(r"model\.name=convnext_tiny cannot take 1x28x28 inputs", "data.image_size"),
+        exit_code=2,
+    ),
+    Case(
+        "model_factory_not_importable",
+        (*MODEL_DEFAULTS, "--model.factory=no_such_module:build"),
+        patterns=(r"model\.factory=no_such_module:build", "ModuleNotFoundError"),
+        exit_code=2,
+    ),
+    Case(
+        "model_factory_returns_no_module",
+        (*MODEL_DEFAULTS, "--model.factory=user_wrong:model"),
+        patterns=(r"model\.factory=user_wrong:model returned str, not a torch\.nn\.Module",),
+        prepare=make_user_modules,
+        env=(("PYTHONPATH", "{tmp}/site"),),
+        exit_code=2,
+    ),
+    Case(
+        "data_factory_returns_a_list",
+        ("--data.factory=user_wrong:data",),
+        patterns=(r"data\.factory=user_wrong:data returned list",),
+        prepare=make_user_modules,
+        env=(("PYTHONPATH", "{tmp}/site"),),
+        exit_code=2,
+    ),
+    Case(
+        "weights_do_not_fit",
+        ("--model.weights={tmp}/resnet18.pt", "--run.dir={tmp}/fresh_run"),
+        patterns=("{tmp}/resnet18.pt", "does not fit", r"missing: stem\.0\.weight", "conv1"),
+        prepare=make_resnet18_weights,
         exit_code=2,
     ),
     Case(
