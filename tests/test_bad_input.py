@@ -117,8 +117,7 @@ def make_user_modules(tmp: Path) -> None:
     """A module of the user's (on PYTHONPATH) whose factories return the wrong things."""
     (tmp / "site").mkdir()
     (tmp / "site" / "user_wrong.py").write_text(
-        "def model(**kwargs):\n    return 'a model'\n\n"
-        "def data(**kwargs):\n    return [1, 2, 3]\n"
+        "def model(**kwargs):\n    return 'a model'\n\ndef data(**kwargs):\n    return [1, 2, 3]\n"
     )
 
 

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import needs_fashion_mnist
-from helpers import REPO, free_port, rows, train_command
+from helpers import (
+    REPO,
+    assert_same_training_state,
+    final_state,
+    free_port,
+    launch,
+    rows,
+    train_command,
+)
+
+import data
 
 pytestmark = pytest.mark.e2e
 
@@ -259,3 +271,124 @@ def test_speed_figures_stragglers_and_profiler_trace(tmp_path) -> None:
     assert "stragglers at step 3" in proc.stderr
     traces = list((run_dir / "tensorboard" / "profile").glob("rank*.pt.trace.json"))
     assert sorted(t.name.split(".")[0] for t in traces) == ["rank0", "rank1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Your model and your data: a torchvision model on a real JPEG folder, and the examples/
+
+
+@pytest.fixture(scope="module")
+def jpeg_folder(tmp_path_factory) -> Path:
+    """Fashion-MNIST as real JPEG files at 40 px: 10 classes x 40 training images, 101 val
+    images (one class has an extra one: 2 ranks get shards of 51 and 50)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from export_imagefolder import export
+
+    root = tmp_path_factory.mktemp("jpegs") / "fashion"
+    export(
+        root, size=40, train_per_class=40, val_per_class=10, root=str(tmp_path_factory.mktemp("fm"))
+    )
+    shutil.copy(root / "val" / "bag" / "00000.jpg", root / "val" / "bag" / "extra.jpg")
+    return root
+
+
+def assert_resumes_exactly(tmp_path: Path, args: list[str], stop_after: int) -> Path:
+    """An uninterrupted 2-rank run, and one preempted (SIGTERM on every rank) after
+    `stop_after` steps then resumed: the same final weights and optimizer state, bit for bit.
+    Returns the uninterrupted run's dir."""
+    reference = tmp_path / "reference"
+    done = launch(2, f"--run.dir={reference}", *args)
+    assert done.returncode == 0, done.output[-4000:]
+    run_dir = tmp_path / "run"
+    first = launch(2, f"--run.dir={run_dir}", *args, faults=f"sigterm@step={stop_after - 1}")
+    # Each worker exits 75 (preempted); torchrun itself reports any worker's exit as failure.
+    assert first.returncode != 0 and "exitcode: 75" in first.output, first.output[-4000:]
+    assert "exitcode: 1 " not in first.output
+    second = launch(2, f"--run.dir={run_dir}", *args)
+    assert second.returncode == 0, second.output[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / f'step_{stop_after}.pt'}" in second.output
+    assert_same_training_state(final_state(run_dir), final_state(reference))
+    return reference
+
+
+@needs_fashion_mnist
+def test_resnet18_on_a_jpeg_folder_learns_counts_every_image_and_resumes_exactly(
+    tmp_path, jpeg_folder
+) -> None:
+    args = [
+        "--data.dataset=imagefolder",
+        f"--data.root={jpeg_folder}",
+        "--data.image_size=32",
+        "--data.crop_scale=0.35,1",
+        "--model.name=resnet18",
+        "--data.batch_size=25",  # 8 steps per epoch on 2 ranks
+        "--train.epochs=3",
+        "--optim.lr=0.05",
+        "--optim.warmup_steps=3",
+        "--data.num_workers=1",
+        "--log.every_steps=4",
+        "--log.tensorboard=false",
+    ]
+    reference = assert_resumes_exactly(tmp_path, args, stop_after=11)  # mid-epoch 1
+    evals = rows(reference, "eval")
+    assert [row["num_samples"] for row in evals] == [101, 101, 101]  # every image, once
+    assert evals[-1]["accuracy"] > 0.3  # chance is 0.1
+    state = final_state(reference)
+    assert state["classes"][:3] == ["ankle_boot", "bag", "coat"] and len(state["classes"]) == 10
+    assert state["model"]["conv1.weight"].shape == (64, 3, 7, 7)
+
+
+@needs_fashion_mnist
+def test_examples_train_your_model_on_your_data_under_torchrun(tmp_path) -> None:
+    """examples/custom_model.py (dropout: random draws in every step) on
+    examples/custom_data.py, with bf16 autocast, channels_last and torch.compile."""
+    args = [
+        "--model.factory=examples.custom_model:small_cnn",
+        '--model.kwargs={"width": 16, "dropout": 0.3}',
+        "--data.factory=examples.custom_data:idx_images",
+        f"--data.root={data.DEBIAN_FASHION_MNIST}",
+        '--data.kwargs={"limit": 3000, "eval_limit": 1001}',
+        "--train.amp=bf16",
+        "--model.channels_last=on",
+        "--train.compile=on",
+        "--train.epochs=2",
+        "--data.batch_size=50",  # 30 steps per epoch on 2 ranks
+        "--optim.warmup_steps=5",
+        "--data.num_workers=1",
+        "--log.every_steps=10",
+        "--log.tensorboard=false",
+    ]
+    reference = assert_resumes_exactly(tmp_path, args, stop_after=37)
+    evals = rows(reference, "eval")
+    assert [row["num_samples"] for row in evals] == [1001, 1001]
+    assert evals[-1]["accuracy"] > 0.6
+    state = final_state(reference)
+    assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])
+    assert state["classes"][0] == "T-shirt/top"
+
+
+def test_resnet18_trains_with_compile_bf16_and_channels_last(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(
+        None,
+        f"--run.dir={run_dir}",
+        "--data.dataset=synthetic",
+        "--data.synthetic_shape=3,32,32",
+        "--data.synthetic_train_size=256",
+        "--data.synthetic_eval_size=64",
+        "--data.batch_size=32",
+        "--data.num_workers=0",
+        "--model.name=resnet18",
+        "--train.compile=on",
+        "--train.amp=bf16",
+        "--model.channels_last=on",
+        "--train.epochs=2",
+        "--optim.warmup_steps=2",
+        "--log.every_steps=4",
+        "--log.tensorboard=false",
+    )
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "GFLOP per training sample" in proc.output  # MFU's count ran
+    losses = [row["loss"] for row in rows(run_dir, "train")]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    assert not any(key.startswith("_orig_mod.") for key in final_state(run_dir)["model"])
