@@ -295,6 +295,10 @@ class ModelConfig(_Section):
     first halves the resolution"""
     blocks_per_stage: int = 1
     """mini_resnet: BasicBlocks in each stage"""
+    stem_stride: int = 1
+    """mini_resnet: stride of the stem convolution; 2 halves the
+    resolution before the first stage (a quarter of the compute per
+    channel: room for wider stages)"""
     norm: Literal["batch", "syncbatch", "group", "none"] = "batch"
     """normalisation: batch (per-rank statistics), syncbatch (statistics
     across ranks: every BatchNorm of any model becomes SyncBatchNorm),
@@ -312,12 +316,13 @@ class ModelConfig(_Section):
         grouped = self.norm != "group" or all(w % min(8, w) == 0 for w in self.widths)
         self._require("widths", grouped, "with model.norm=group widths must be multiples of 8")
         self._require("blocks_per_stage", self.blocks_per_stage >= 1, "must be >= 1")
+        self._require("stem_stride", self.stem_stride in (1, 2), "1 or 2")
         self._require("dropout", 0 <= finite(self.dropout) < 1, "must be in [0, 1)")
         self._require("name", bool(re.fullmatch(r"\w+", self.name)), "e.g. resnet18")
         object.__setattr__(self, "weights", os.path.expanduser(self.weights))
         self._require_factory()
         if self.factory or self.name != MINI_RESNET:  # the MiniResNet fields would do nothing
-            for name in ("widths", "blocks_per_stage", "dropout"):
+            for name in ("widths", "blocks_per_stage", "stem_stride", "dropout"):
                 unchanged = getattr(self, name) == _DEFAULTS[name]
                 self._require(name, unchanged, f"shapes {MINI_RESNET} only: use model.kwargs")
             batch = self.norm in ("batch", "syncbatch")
@@ -353,7 +358,8 @@ class OptimConfig(_Section):
     """decoupled (AdamW) or L2 (SGD) weight decay of conv/linear weights
     (not norms, biases)"""
     warmup_steps: int = 100
-    """optimizer steps of linear warmup from 0 to optim.lr"""
+    """optimizer steps of linear warmup from 0 to optim.lr (at most a
+    quarter of the run: a shorter run warms up over its first quarter)"""
     min_lr_ratio: float = 0.0
     """cosine decay ends at optim.lr x min_lr_ratio on the last step"""
     grad_clip: float = 5.0
@@ -395,6 +401,10 @@ class TrainConfig(_Section):
     """wrap the model in torch.compile; auto = on CUDA, off on CPU"""
     cuda_fast_math: bool = True
     """on CUDA: cudnn.benchmark and TF32 matmuls/convolutions for fp32 work"""
+    ema_decay: float = 0.0
+    """evaluate an exponential moving average of the weights with this
+    decay per optimizer step (e.g. 0.998; saved in checkpoints as "ema");
+    0 = evaluate the weights as they are"""
     max_nonfinite_steps: int = 5
     """consecutive optimizer steps with a non-finite loss or gradient (each
     skipped on every rank) after which the run stops with exit code 3"""
@@ -405,6 +415,7 @@ class TrainConfig(_Section):
         self._require("max_steps", self.max_steps >= 0, "use 0 for no limit or a positive count")
         self._require("grad_accum_steps", self.grad_accum_steps >= 1, "must be >= 1")
         self._require("seed", self.seed >= 0, "must be >= 0")
+        self._require("ema_decay", 0 <= finite(self.ema_decay) < 1, "in [0, 1); 0 = off")
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ waits for the device, except `evaluate`, which returns Python numbers once at th
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,10 +86,16 @@ def build_scheduler(
 
     def factor(step: int) -> float:  # a function: LambdaLR saves no state of it
         total = steps()
-        warmup = min(cfg.warmup_steps, max(0, total - 1))
-        return lr_factor(step, warmup, total, cfg.min_lr_ratio)
+        return lr_factor(step, warmup_steps(cfg.warmup_steps, total), total, cfg.min_lr_ratio)
 
     return LambdaLR(optimizer, factor)
+
+
+def warmup_steps(configured: int, total_steps: int) -> int:
+    """optim.warmup_steps, but at most a quarter of the run: a short run (a subset, a smoke
+    test) spends three quarters of its steps at useful learning rates instead of warming up
+    throughout (the Trainer warns when it shortens the warmup)."""
+    return min(configured, total_steps // 4)
 
 
 @dataclass
@@ -167,6 +175,47 @@ class BufferSnapshot:
         with torch.no_grad():
             for saved, buffer in zip(self.saved, self.buffers, strict=True):
                 buffer.copy_(saved)
+
+
+class WeightAverage:
+    """An exponential moving average of the model's weights, the model evaluated (and kept as
+    the checkpoint part "ema"): smoother than the last step's weights, so evaluation does not
+    swing with the noise of the final steps.
+
+    After each applied optimizer step, ema = decay x ema + (1 - decay) x weights, with the decay
+    ramped up as min(decay, (1 + n) / (10 + n)) over the first n updates so the average is not
+    dominated by the random initial weights. Buffers (BatchNorm statistics) are not averaged:
+    they are taken from the model as they are when evaluating. Every rank holds the same
+    weights, so every rank holds the same average, without communication.
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.model = distributed.unwrap_model(model)
+        self.decay = decay
+        self.updates = 0
+        self.averaged = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._params = [p for p in self.model.parameters()]
+        self._averages = [p for p in self.averaged.parameters()]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self._averages, self._params, 1.0 - decay)
+        self.updates += 1
+
+    @torch.no_grad()
+    def for_evaluation(self) -> nn.Module:
+        """The averaged weights with the model's current buffers."""
+        for mine, theirs in zip(self.averaged.buffers(), self.model.buffers(), strict=True):
+            mine.copy_(theirs)
+        return self.averaged
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"updates": self.updates, "weights": self.averaged.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates = int(state["updates"])
+        self.averaged.load_state_dict(state["weights"])
 
 
 def train_step(

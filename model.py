@@ -65,8 +65,9 @@ class BasicBlock(nn.Module):
 class MiniResNet(nn.Module):
     """Stem, stages of BasicBlocks with increasing widths, global average pooling, linear head.
 
-    Each stage after the first halves the spatial resolution, so any input of at least
-    2 ** (len(widths) - 1) pixels a side works (1x28x28 Fashion-MNIST, 3x32x32 CIFAR-10, ...).
+    Each stage after the first halves the spatial resolution (and a stem stride of 2 halves it
+    before the first), so any input of at least 2 ** (len(widths) - 1) pixels a side (twice that
+    with stem stride 2) works (1x28x28 Fashion-MNIST, 3x32x32 CIFAR-10, ...).
     """
 
     def __init__(
@@ -78,13 +79,14 @@ class MiniResNet(nn.Module):
         blocks_per_stage: int = 1,
         norm: Norm = "batch",
         dropout: float = 0.0,
+        stem_stride: int = 1,
     ) -> None:
         super().__init__()
         if not widths or min(widths) < 1:
             raise ValueError(f"widths must be positive channel counts, got {tuple(widths)}")
         bias = norm == "none"
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=bias),
+            nn.Conv2d(in_channels, widths[0], 3, stem_stride, 1, bias=bias),
             make_norm(norm, widths[0]),
             nn.ReLU(inplace=True),
         )
@@ -164,7 +166,8 @@ def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.
         what = f"model.factory={cfg.factory}"
     elif cfg.name == MINI_RESNET:
         options = {"widths": cfg.widths, "blocks_per_stage": cfg.blocks_per_stage}
-        options |= {"norm": cfg.norm, "dropout": cfg.dropout, **kwargs}
+        options |= {"norm": cfg.norm, "dropout": cfg.dropout, "stem_stride": cfg.stem_stride}
+        options |= kwargs
         model = MiniResNet(in_channels=in_channels, num_classes=num_classes, **options)
         what = f"model.name={cfg.name}"
     else:

@@ -99,6 +99,7 @@ class Trainer:
         self.eval_loader = data.build_eval_loader(splits, cfg.data, info, cfg.train.seed)
         self.preprocess = data.Preprocess(splits, info.device, self.auto.channels_last)
         self.num_train = len(splits.train)  # type: ignore[arg-type]
+        self.num_eval = len(splits.eval)  # type: ignore[arg-type]
         self.position = state.Position()
         self.steps_per_epoch = self.steps_left_in_epoch(consumed=0)
         if self.steps_per_epoch == 0:
@@ -119,6 +120,7 @@ class Trainer:
         self.checkpoints = state.CheckpointManager(
             cfg, info, self.num_train, data_fingerprint, lease, splits.classes
         )
+        self.ema = engine.WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
             ("rng", state.RngState(info, cfg.train.seed, self.position)),
@@ -127,6 +129,7 @@ class Trainer:
             ("scheduler", state.SchedulerState(self.scheduler, self.optimizer)),
             ("scaler", state.ScalerState(self.scaler)),
             ("ledger", self.ledger),
+            *([("ema", self.ema)] if self.ema is not None else []),
         ):
             self.checkpoints.register(name, part)
         self.model = distributed.wrap_model(model, info, cfg.dist)
@@ -194,6 +197,8 @@ class Trainer:
             engine.apply_update(self.optimizer, self.scaler, skip=verdict.skip)
             if verdict.skip:
                 self.buffers.restore()
+            elif self.ema is not None:
+                self.ema.update()
             self.scheduler.step()
             self.position.step += 1
             self.position.samples_in_epoch += self.samples_per_step
@@ -224,6 +229,15 @@ class Trainer:
                     resumed.meta["total_steps"],
                 )
         self.checkpoints.total_steps = self.total_steps
+        warmup = engine.warmup_steps(self.cfg.optim.warmup_steps, self.total_steps)
+        if warmup < self.cfg.optim.warmup_steps:
+            log.warning(
+                "optim.warmup_steps=%d is more than a quarter of this run's %d steps: warming "
+                "up over %d steps instead",
+                self.cfg.optim.warmup_steps,
+                self.total_steps,
+                warmup,
+            )
         # Once resuming is settled (a refused run changes no file), before anything is trained.
         check_progress(self.cfg, self.info, self.position.step)
         distributed.run_on_main(
@@ -313,8 +327,17 @@ class Trainer:
                 self.instruments.phase("evaluation")
                 yield self.preprocess(images, labels)
 
-        result = engine.evaluate(self.model, batches(), self.info.device, self.amp_dtype)
+        evaluated = self.model if self.ema is None else self.ema.for_evaluation()
+        result = engine.evaluate(evaluated, batches(), self.info.device, self.amp_dtype)
         self.instruments.log_eval(result, self.ledger)
+        if result.num_samples < self.num_eval:
+            log.warning(
+                "evaluated %d of the %d samples: %d unreadable images were left out "
+                "(data.bad_images=skip; each is named above)",
+                result.num_samples,
+                self.num_eval,
+                self.num_eval - result.num_samples,
+            )
         return result
 
     def save(

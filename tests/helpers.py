@@ -143,6 +143,9 @@ def assert_same_training_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys()
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
+    assert ("ema" in a) == ("ema" in b)
+    for key in a.get("ema", {}).get("weights", {}):  # train.ema_decay's average
+        assert torch.equal(a["ema"]["weights"][key], b["ema"]["weights"][key]), key
     state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
     assert state_a.keys() == state_b.keys()
     for index in state_a:

@@ -243,3 +243,9 @@ def test_builder_and_factory_kwargs_from_the_command_line_and_a_toml_table(tmp_p
 def test_model_and_data_choices_name_field_and_value(argv, field, value, capsys) -> None:
     reason, _ = rejected(argv, capsys)
     assert field in reason and value in reason, reason
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_recipe_parses(recipe) -> None:
+    cfg = parse_args([f"--config={recipe}"])
+    assert cfg.train.epochs >= 1

@@ -273,3 +273,46 @@ def test_resuming_with_other_class_folders_is_refused_naming_them() -> None:
     ):
         manager.restore(Path("old.pt"), saved_state(cfg, classes=["cat", "dog", "owl"]))
     manager.restore(Path("older.pt"), saved_state(cfg))  # written before classes were saved
+
+
+def test_a_warmup_longer_than_a_quarter_of_the_run_is_shortened() -> None:
+    """By hand: 20 steps, warmup asked for 100, given 5; then cosine from step 5 to 19."""
+    import math
+
+    import engine
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = engine.build_optimizer(model, parse_args(["--optim.lr=1.0"]).optim)
+    scheduler = engine.build_scheduler(optimizer, parse_args([]).optim, total_steps=20)
+    lrs = []
+    for _ in range(20):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    expected = [(s + 1) / 5 for s in range(5)]
+    expected += [0.5 * (1 + math.cos(math.pi * (s - 5) / 14)) for s in range(5, 20)]
+    assert lrs == pytest.approx(expected)
+
+
+def test_weight_average_by_hand() -> None:
+    """ema <- d x ema + (1 - d) x weights after each step, d = min(decay, (1 + n) / (10 + n));
+    buffers come from the model as they are."""
+    import engine
+
+    model = torch.nn.BatchNorm1d(2)
+    average = engine.WeightAverage(model, decay=0.5)
+    expected = model.weight.detach().clone()
+    for n, value in enumerate((1.0, 3.0, -2.0, 5.0)):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        average.update()
+        decay = min(0.5, (1 + n) / (10 + n))
+        expected = decay * expected + (1 - decay) * value
+    model.running_mean.fill_(7.0)
+    evaluated = average.for_evaluation()
+    torch.testing.assert_close(evaluated.weight, expected)
+    assert evaluated.running_mean.tolist() == [7.0, 7.0] and not evaluated.training
+    restored = engine.WeightAverage(torch.nn.BatchNorm1d(2), decay=0.5)
+    restored.load_state_dict(average.state_dict())
+    assert restored.updates == 4
+    assert torch.equal(restored.averaged.weight, average.averaged.weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -341,7 +342,8 @@ def test_resnet18_on_a_jpeg_folder_learns_counts_every_image_and_resumes_exactly
 @needs_fashion_mnist
 def test_examples_train_your_model_on_your_data_under_torchrun(tmp_path) -> None:
     """examples/custom_model.py (dropout: random draws in every step) on
-    examples/custom_data.py, with bf16 autocast, channels_last and torch.compile."""
+    examples/custom_data.py, with bf16 autocast, channels_last, torch.compile and a weight
+    average (train.ema_decay)."""
     args = [
         "--model.factory=examples.custom_model:small_cnn",
         '--model.kwargs={"width": 16, "dropout": 0.3}',
@@ -351,6 +353,7 @@ def test_examples_train_your_model_on_your_data_under_torchrun(tmp_path) -> None
         "--train.amp=bf16",
         "--model.channels_last=on",
         "--train.compile=on",
+        "--train.ema_decay=0.99",
         "--train.epochs=2",
         "--data.batch_size=50",  # 30 steps per epoch on 2 ranks
         "--optim.warmup_steps=5",
@@ -365,6 +368,7 @@ def test_examples_train_your_model_on_your_data_under_torchrun(tmp_path) -> None
     state = final_state(reference)
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in state["model"])
     assert state["classes"][0] == "T-shirt/top"
+    assert state["ema"]["updates"] == 60 and state["ema"]["weights"].keys() == state["model"].keys()
 
 
 def test_resnet18_trains_with_compile_bf16_and_channels_last(tmp_path) -> None:
@@ -392,3 +396,50 @@ def test_resnet18_trains_with_compile_bf16_and_channels_last(tmp_path) -> None:
     losses = [row["loss"] for row in rows(run_dir, "train")]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
     assert not any(key.startswith("_orig_mod.") for key in final_state(run_dir)["model"])
+
+
+@needs_fashion_mnist
+def test_a_one_epoch_run_on_a_subset_learns(tmp_path) -> None:
+    """23 steps with the default optim.warmup_steps=100: the warmup is cut to a quarter of
+    the run (with a warning) instead of lasting all of it."""
+    run_dir = tmp_path / "run"
+    proc = launch(
+        None,
+        f"--run.dir={run_dir}",
+        f"--data.root={tmp_path / 'data'}",
+        "--data.download=false",
+        "--data.subset=6000",
+        "--data.batch_size=256",
+        "--train.epochs=1",
+        "--data.num_workers=0",
+        "--log.tensorboard=false",
+    )
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "optim.warmup_steps=100 is more than a quarter of this run's 23 steps" in proc.output
+    assert rows(run_dir, "eval")[-1]["accuracy"] > 0.3  # chance is 0.1
+
+
+@needs_fashion_mnist
+def test_unreadable_images_are_skipped_counted_and_named_when_asked(tmp_path, jpeg_folder) -> None:
+    root = tmp_path / "fashion"
+    shutil.copytree(jpeg_folder, root)
+    (root / "train" / "coat" / "broken.jpg").write_bytes(b"\xff\xd8\xff not really a JPEG")
+    (root / "val" / "dress" / "broken.jpg").write_bytes(b"")
+    args = [
+        "--data.dataset=imagefolder",
+        f"--data.root={root}",
+        "--data.image_size=24",
+        "--data.batch_size=40",
+        "--train.epochs=1",
+        "--data.num_workers=1",
+        "--log.tensorboard=false",
+    ]
+    failed = launch(None, f"--run.dir={tmp_path / 'strict'}", *args)
+    assert failed.returncode == 2, failed.output[-4000:]
+    assert re.search(rf"cannot read image {root}/(train/coat|val/dress)/broken.jpg", failed.output)
+    skipped = launch(None, f"--run.dir={tmp_path / 'run'}", *args, "--data.bad_images=skip")
+    assert skipped.returncode == 0, skipped.output[-4000:]
+    assert str(root / "train" / "coat" / "broken.jpg") in skipped.output
+    assert str(root / "val" / "dress" / "broken.jpg") in skipped.output
+    assert "evaluated 101 of the 102 samples: 1 unreadable images were left out" in skipped.output
+    assert rows(tmp_path / "run", "eval")[-1]["num_samples"] == 101
