@@ -200,6 +200,9 @@ class DataConfig(_Section):
     training samples"""
     crop_padding: int = 2
     """pixels of zero padding for random crop"""
+    eval_flip: bool = False
+    """evaluate each image and its mirror image and average the logits
+    (test-time augmentation; twice the evaluation compute)"""
     image_size: int = 224
     """imagefolder: side in pixels of the square training crop
     (RandomResizedCrop) and of the evaluation center crop"""

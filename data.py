@@ -8,7 +8,6 @@ number of workers, or where a resumed run restarts, so runs are comparable and r
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import hashlib
 import json
@@ -18,7 +17,7 @@ import random
 import shutil
 import signal
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -271,8 +270,8 @@ def _user_data(cfg: DataConfig) -> DataSplits:
     where = f"data.factory={cfg.factory}"
     made = load_factory("data.factory", cfg.factory)(root=cfg.root, **json.loads(cfg.kwargs))
     if isinstance(made, Mapping):
-        fields = {f.name for f in dataclasses.fields(UserData)}
-        unknown = sorted(set(made) - fields)
+        known = {f.name for f in fields(UserData)}
+        unknown = sorted(set(made) - known)
         if unknown or not {"train", "eval", "num_classes", "input_shape"} <= made.keys():
             raise ConfigError(
                 f"{where} returned a mapping with keys {sorted(made)}: it needs train, eval, "

@@ -242,9 +242,15 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, batches: Iterable[Batch], device: torch.device, amp_dtype: torch.dtype | None
+    model: nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    flip: bool = False,
 ) -> EvalResult:
     """Exact loss and accuracy over every rank's shard: (sum, count) all-reduced, no padding.
+    `flip`: the logits are the mean of the image's and its mirror image's (test-time
+    augmentation, data.eval_flip).
 
     Runs the bare module: a forward through the DDP wrapper would broadcast buffers, a
     collective that ranks with fewer evaluation batches would never join.
@@ -255,8 +261,10 @@ def evaluate(
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
     for images, labels in batches:
         with autocast(device, amp_dtype):
-            logits = bare(images)
-        loss = nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+            logits = bare(images).float()
+            if flip:
+                logits = (logits + bare(images.flip(-1)).float()) / 2
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
         totals[0] += loss.double()
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += (labels != IGNORED).sum()  # cross_entropy leaves IGNORED out too

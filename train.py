@@ -328,7 +328,9 @@ class Trainer:
                 yield self.preprocess(images, labels)
 
         evaluated = self.model if self.ema is None else self.ema.for_evaluation()
-        result = engine.evaluate(evaluated, batches(), self.info.device, self.amp_dtype)
+        result = engine.evaluate(
+            evaluated, batches(), self.info.device, self.amp_dtype, self.cfg.data.eval_flip
+        )
         self.instruments.log_eval(result, self.ledger)
         if result.num_samples < self.num_eval:
             log.warning(

@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from conftest import needs_fashion_mnist
 from helpers import REPO
 
 import data
@@ -132,3 +133,26 @@ def test_quick_run_reports_every_figure(tmp_path) -> None:
     assert report["environment"]["torch_threads"] == 1
     leftovers = sorted(path.name for path in tmp_path.iterdir())
     assert leftovers == sorted([out.name, finished.name])  # the scratch directory is gone
+
+
+@needs_fashion_mnist
+@pytest.mark.e2e
+def test_imagefolder_benchmark_quick_run_reports_both_sides(tmp_path) -> None:
+    out = tmp_path / "imagefolder.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/benchmark_imagefolder.py", "--quick", "--sizes=32"]
+        + [f"--out={out}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["sizes"]
+    for figure in ("samples_per_s", "samples_per_s_per_core"):
+        sides = ("ours", "ours+normalise", "reference")
+        assert all(result[figure][side]["median"] > 0 for side in sides)
+    assert result["ratios"]["ours / reference, per core"]["median"] > 0
+    stages = result["us_per_sample_by_stage"]
+    assert "decode" in stages["ours"] and "read+decode (PIL)" in stages["reference"]

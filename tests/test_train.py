@@ -316,3 +316,19 @@ def test_weight_average_by_hand() -> None:
     restored.load_state_dict(average.state_dict())
     assert restored.updates == 4
     assert torch.equal(restored.averaged.weight, average.averaged.weight)
+
+
+def test_flip_evaluation_averages_the_logits_of_each_image_and_its_mirror() -> None:
+    import engine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, 3))
+    images, labels = torch.rand(4, 1, 2, 3), torch.tensor([0, 1, 2, 1])
+    result = engine.evaluate(model, [(images, labels)], CPU, None, flip=True)
+    with torch.no_grad():
+        logits = (model(images) + model(images.flip(-1))) / 2
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert result.loss == pytest.approx(loss)
+    assert result.accuracy == (logits.argmax(1) == labels).float().mean().item()
+    plain = engine.evaluate(model, [(images, labels)], CPU, None)
+    assert plain.loss != pytest.approx(loss)  # the flip changed the logits
