@@ -737,8 +737,11 @@ class Preprocess:
         # non_blocking: with pinned memory the copy overlaps with compute already queued.
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        if images.dtype == torch.uint8:
-            images = (images.float() - self.mean) * self.inv_std
-        else:  # a data.factory's float images: used as they are
-            images = images.float()
-        return images.contiguous(memory_format=self.memory_format), labels
+        # Change the layout while the batch is uint8 (a quarter of the bytes to move), then
+        # normalise in place: one float batch allocated instead of three. On a CPU a 224-px
+        # batch of 64 is 38 MB of float32, and each fresh allocation of that size is new
+        # pages to fault in: the out-of-place version took 3x the time of the loader's decode.
+        images = images.contiguous(memory_format=self.memory_format)
+        if images.dtype != torch.uint8:  # a data.factory's float images: used as they are
+            return images.float(), labels
+        return images.float().sub_(self.mean).mul_(self.inv_std), labels

@@ -391,3 +391,15 @@ def test_float_images_of_a_factory_are_used_as_they_are() -> None:
         torch.tensor([[[[0.25, -3.0]]]]), torch.tensor([3])
     )
     assert images.tolist() == [[[[0.25, -3.0]]]]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_preprocess_is_the_plain_formula_bit_for_bit_in_the_asked_layout(channels_last) -> None:
+    splits = data.DataSplits(None, None, (3, 5, 7), 10, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))  # type: ignore[arg-type]
+    images = torch.randint(0, 256, (4, 3, 5, 7), dtype=torch.uint8)
+    out, _ = data.Preprocess(splits, CPU, channels_last)(images, torch.zeros(4))
+    mean = torch.tensor([0.4, 0.5, 0.6]).view(1, 3, 1, 1) * 255
+    inv_std = 1 / (torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1) * 255)
+    assert torch.equal(out, (images.float() - mean) * inv_std)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    assert out.is_contiguous(memory_format=layout)
