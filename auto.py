@@ -70,8 +70,8 @@ def loader(setting: str, dataset: str, in_memory_numel: int | None, device: torc
     if in_memory_numel is None:
         if setting == "device":
             raise ConfigError(
-                f"data.loader=device needs an in-memory dataset; {dataset} is read from "
-                "files: use data.loader=dataloader or auto"
+                f"data.loader=device needs an in-memory dataset; {dataset} is not held in "
+                "memory as one uint8 tensor: use data.loader=dataloader or auto"
             )
         return "dataloader"
     if setting == "device" or device.type != "cuda":

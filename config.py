@@ -196,8 +196,8 @@ class DataConfig(_Section):
     prefetch_factor: int = 4
     """batches each worker prepares ahead (ignored when num_workers = 0)"""
     augment: bool = True
-    """random crop (zero padding data.crop_padding) and horizontal flip on
-    training samples"""
+    """random crop (zero padding data.crop_padding; imagefolder:
+    RandomResizedCrop) and horizontal flip on training samples"""
     crop_padding: int = 2
     """pixels of zero padding for random crop"""
     eval_flip: bool = False
@@ -221,7 +221,8 @@ class DataConfig(_Section):
     dataset's own"""
     bad_images: Literal["fail", "skip"] = "fail"
     """imagefolder: an unreadable image stops the run (exit 2, its path
-    named); skip = leave it out of its batch, log its path and count it"""
+    named); skip = a blank image in its place whose label counts nowhere
+    (not in the loss, accuracy or sample counts), its path logged"""
     prepare_timeout_s: float = 3600.0
     """seconds the other ranks wait (logging progress) for local rank 0 of
     each node to download or prepare the dataset, instead of

@@ -198,6 +198,12 @@ class WeightAverage:
         self._averages = [p for p in self.averaged.parameters()]
 
     @torch.no_grad()
+    def restart(self) -> None:
+        """Start the average anew from the model's weights (after loading model.weights)."""
+        torch._foreach_copy_(self._averages, self._params)
+        self.updates = 0
+
+    @torch.no_grad()
     def update(self) -> None:
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
         torch._foreach_lerp_(self._averages, self._params, 1.0 - decay)

@@ -249,7 +249,8 @@ def _check_forward(
     except Exception as err:  # a model's own check (an assert) or a shape mismatch inside it
         raise ConfigError(
             f"{what} cannot take {shape} inputs ({type(err).__name__}: {err}); too small an "
-            "image for it? Raise data.image_size, or choose another model"
+            "image for it? Choose another model, or larger images (data.image_size for "
+            "imagefolder)"
         ) from None
     finally:
         model.train(was_training)

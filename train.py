@@ -274,6 +274,8 @@ class Trainer:
         except ConfigError as err:
             error = err
         distributed.raise_if_any_failed(self.info, error, f"loading model.weights={path}")
+        if self.ema is not None:  # it copied the initial weights: average the loaded ones
+            self.ema.restart()
 
     def train_epoch(self) -> str | None:
         """The rest of the epoch (or of the run); the loader's iterator ends with it."""

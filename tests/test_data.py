@@ -403,3 +403,12 @@ def test_preprocess_is_the_plain_formula_bit_for_bit_in_the_asked_layout(channel
     assert torch.equal(out, (images.float() - mean) * inv_std)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     assert out.is_contiguous(memory_format=layout)
+
+
+def test_fingerprint_reads_factory_images_of_any_dtype() -> None:
+    """A data.factory's float or bf16 images are hashed by their bytes, as uint8 ones are."""
+    samples = [(torch.full((1, 2, 2), float(i), dtype=torch.bfloat16), i % 2) for i in range(4)]
+    splits = data.DataSplits(samples, samples, (1, 2, 2), 2, (0.5,), (0.5,))  # type: ignore[arg-type]
+    changed = [(image + 1, label) for image, label in samples]
+    other = data.DataSplits(changed, samples, (1, 2, 2), 2, (0.5,), (0.5,))  # type: ignore[arg-type]
+    assert data.fingerprint(splits) != data.fingerprint(other)

@@ -316,6 +316,8 @@ def test_weight_average_by_hand() -> None:
     restored.load_state_dict(average.state_dict())
     assert restored.updates == 4
     assert torch.equal(restored.averaged.weight, average.averaged.weight)
+    restored.restart()  # after loading model.weights: the average starts from the weights
+    assert restored.updates == 0 and torch.equal(restored.averaged.weight, restored.model.weight)
 
 
 def test_flip_evaluation_averages_the_logits_of_each_image_and_its_mirror() -> None:
