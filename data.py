@@ -346,7 +346,8 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     # Bounded by data.prepare_timeout_s, not dist.timeout_s: a download may take long.
     distributed.run_on_node_leaders_bounded(
         info,
-        f"the dataset ({cfg.source}) to be prepared",
+        f"the {f'data.factory={cfg.factory}' if cfg.factory else cfg.dataset} dataset to be "
+        "prepared",
         prepare,
         cfg.prepare_timeout_s,
         "data.prepare_timeout_s",
