@@ -9,6 +9,7 @@ what each became.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from config import Config, ConfigError
 
 if TYPE_CHECKING:
     from distributed import DistInfo
+
+log = logging.getLogger(__name__)
 
 
 def backend(requested: str) -> str:
@@ -80,6 +83,25 @@ def loader(setting: str, dataset: str, in_memory_numel: int | None, device: torc
     return "device" if in_memory_numel < free // 4 else "dataloader"
 
 
+def decode(setting: str, image_folder: bool, device: torch.device) -> str:
+    """data.decode: auto = device for an image folder on a CUDA GPU whose batched JPEG decoder
+    works (checked on a test image; a warning says why not otherwise), workers elsewhere: a
+    CPU's cores decode in parallel in the loader workers. "none" for datasets in memory."""
+    if not image_folder:
+        return "none"
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return "workers"
+    import imagefolder
+
+    problem = imagefolder.device_decoding_problem(device)
+    if problem is not None:
+        log.warning("data.decode=auto: decoding in the loader workers; %s: %s", device, problem)
+        return "workers"
+    return "device"
+
+
 def progress(setting: str) -> bool:
     """log.progress: auto = a progress bar only when stderr is a terminal."""
     return setting == "on" or (setting == "auto" and sys.stderr.isatty())
@@ -99,6 +121,7 @@ class Auto:
     channels_last: bool = _key("model.channels_last")
     optimizer_impl: str = _key("optim.impl")
     loader: str = _key("data.loader")
+    decode: str = _key("data.decode")
     progress: bool = _key("log.progress")
 
     def describe(self, cfg: Config) -> str:
@@ -134,5 +157,6 @@ def resolve(cfg: Config, info: DistInfo, in_memory_numel: int | None) -> Auto:
         channels_last=channels_last(cfg.model.channels_last, device),
         optimizer_impl=optimizer_impl(cfg.optim.impl, device),
         loader=loader(cfg.data.loader, cfg.data.source, in_memory_numel, device),
+        decode=decode(cfg.data.decode, cfg.data.source == "data.dataset=imagefolder", device),
         progress=progress(cfg.log.progress),
     )

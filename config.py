@@ -223,6 +223,13 @@ class DataConfig(_Section):
     """imagefolder: an unreadable image stops the run (exit 2, its path
     named); skip = a blank image in its place whose label counts nowhere
     (not in the loss, accuracy or sample counts), its path logged"""
+    decode: Literal["auto", "workers", "device"] = "auto"
+    """imagefolder: where images are decoded and cropped. workers = in the
+    DataLoader workers (libjpeg-turbo on their CPU cores); device = the
+    workers read the files, the training process decodes each batch in
+    one call on its device (nvJPEG on a GPU) and crops it there; auto =
+    device on a CUDA GPU whose decoder passes a check at start-up,
+    workers otherwise"""
     prepare_timeout_s: float = 3600.0
     """seconds the other ranks wait (logging progress) for local rank 0 of
     each node to download or prepare the dataset, instead of
@@ -256,6 +263,8 @@ class DataConfig(_Section):
         same = not self.mean or not self.std or len(self.mean) == len(self.std)
         self._require("std", same, f"give as many values as data.mean has ({len(self.mean)})")
         self._require_factory()
+        folder = self.dataset == "imagefolder" and not self.factory
+        self._require("decode", self.decode != "device" or folder, "it is for imagefolder only")
         self._require("prepare_timeout_s", finite(self.prepare_timeout_s) > 0, "seconds > 0")
         self._require("synthetic_train_size", self.synthetic_train_size >= 1, "must be >= 1")
         self._require("synthetic_eval_size", self.synthetic_eval_size >= 1, "must be >= 1")

@@ -436,8 +436,8 @@ class Augmented(Dataset):
             image, label = self.base[index]
             return image, label, index
         h = _mix64(self.seed, epoch, index)
-        folder = self.base.dataset if isinstance(self.base, Subset) else self.base
-        if isinstance(folder, imagefolder.ImageFolder):  # its own training crop and flip
+        folder = folder_of(self.base)
+        if folder is not None:  # its own training crop and flip
             in_folder = self.base.indices[index] if isinstance(self.base, Subset) else index
             return (*folder.augmented_item(in_folder, h), index)
         image, label = self.base[index]
@@ -644,6 +644,69 @@ class DeviceLoader:
             yield images, self.labels.index_select(0, on_device), batch
 
 
+class Encoded(Dataset):
+    """An image folder (or a Subset of one) read but not decoded, for data.decode=device:
+    item `key` (an (epoch, index) pair from EpochSampler, or an index) is (file bytes, path,
+    label, index). `DecodingLoader` decodes and transforms the batches."""
+
+    def __init__(self, base: Dataset) -> None:
+        folder = folder_of(base)
+        assert folder is not None, "data.decode=device for a dataset that is no image folder"
+        self.base, self.folder = base, folder
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, str, int, int]:
+        index = key[1] if isinstance(key, tuple) else key
+        in_folder = self.base.indices[index] if isinstance(self.base, Subset) else index
+        return (*self.folder.encoded_item(in_folder), index)
+
+
+def folder_of(dataset: Dataset) -> imagefolder.ImageFolder | None:
+    """The ImageFolder a dataset is, or is a Subset of; else None."""
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    return base if isinstance(base, imagefolder.ImageFolder) else None
+
+
+def _collate_encoded(
+    batch: list[tuple[torch.Tensor, str, int, int]],
+) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor, torch.Tensor]:
+    """The files' bytes end to end in one tensor, with each file's size: one shared-memory
+    block per batch to send from the worker (one per file would use a descriptor each)."""
+    encoded, paths, labels, indices = zip(*batch, strict=True)
+    sizes = torch.tensor([len(data) for data in encoded])
+    return torch.cat(encoded), sizes, list(paths), torch.tensor(labels), torch.tensor(indices)
+
+
+class DecodingLoader:
+    """A DataLoader of `Encoded` items whose batches are decoded and transformed on the device
+    (ImageFolder.decode_batch). Yields `(images, labels, indices)` for training, the crops and
+    flips drawn from the same (seed, epoch, index) hashes as `Augmented`'s, or
+    `(images, labels)` for evaluation, like the DataLoaders they stand in for."""
+
+    def __init__(
+        self, loader: DataLoader, seed: int, augment: bool, device: torch.device, train: bool
+    ) -> None:
+        self.loader = loader
+        self.folder: imagefolder.ImageFolder = loader.dataset.folder  # type: ignore[attr-defined]
+        self.seed, self.augment, self.device, self.train = seed, augment, device, train
+        self.sampler = loader.sampler
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        epoch = getattr(self.sampler, "epoch", 0)  # fixed while an iterator runs (set_epoch)
+        for flat, sizes, paths, labels, indices in self.loader:
+            encoded = torch.split(flat, sizes.tolist())
+            keys = None
+            if self.train and self.augment:
+                keys = [_mix64(self.seed, epoch, index) for index in indices.tolist()]
+            images, labels = self.folder.decode_batch(encoded, paths, labels, keys, self.device)
+            yield (images, labels, indices) if self.train else (images, labels)
+
+
 def in_memory(dataset: Dataset) -> ImageTensors | None:
     """The dataset as one ImageTensors (a Subset materialised), or None if it is not in memory."""
     if isinstance(dataset, ImageTensors):
@@ -666,10 +729,16 @@ def in_memory_numel(dataset: Dataset) -> int | None:
 
 
 def build_train_loader(
-    splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int, loader: str | None = None
-) -> DataLoader | DeviceLoader:
+    splits: DataSplits,
+    cfg: DataConfig,
+    info: DistInfo,
+    seed: int,
+    loader: str | None = None,
+    decode: str = "workers",
+) -> DataLoader | DeviceLoader | DecodingLoader:
     """The training loader: `DeviceLoader` or a DataLoader, as `loader` (device or dataloader)
-    says; by default as data.loader resolves here (auto.loader)."""
+    says; by default as data.loader resolves here (auto.loader). An image folder's DataLoader
+    decodes in its workers, or with `decode="device"` (auto.decode) in a `DecodingLoader`."""
     dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
     sampler = EpochSampler(dataset, info, seed)
     if len(sampler) < cfg.batch_size:
@@ -684,26 +753,31 @@ def build_train_loader(
         base = in_memory(splits.train)
         assert base is not None, "auto.loader chose the device path for a dataset read from files"
         return DeviceLoader(base, sampler, cfg, seed, info.device)
-    return DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        **_loader_options(cfg, info, seed),
-    )
+    options = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": True}
+    options |= _loader_options(cfg, info, seed)
+    if decode == "device":
+        encoded = DataLoader(Encoded(splits.train), collate_fn=_collate_encoded, **options)
+        return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
+    return DataLoader(dataset, **options)
 
 
-def build_eval_loader(splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int) -> DataLoader:
+def build_eval_loader(
+    splits: DataSplits, cfg: DataConfig, info: DistInfo, seed: int, decode: str = "workers"
+) -> DataLoader | DecodingLoader:
+    """The evaluation loader: every sample once over all ranks (ShardSampler), decoded as
+    `decode` says (see build_train_loader)."""
     sampler = ShardSampler(len(splits.eval), info)  # type: ignore[arg-type]
-    return DataLoader(
-        splits.eval,
-        batch_size=cfg.eval_batch_size,
-        sampler=sampler,
-        **_loader_options(cfg, info, seed),
-    )
+    options = {"batch_size": cfg.eval_batch_size, "sampler": sampler}
+    options |= _loader_options(cfg, info, seed)
+    if decode == "device":
+        encoded = DataLoader(Encoded(splits.eval), collate_fn=_collate_encoded, **options)
+        return DecodingLoader(encoded, seed, False, info.device, train=False)
+    return DataLoader(splits.eval, **options)
 
 
-def set_epoch(loader: DataLoader | DeviceLoader, epoch: int, consumed: int = 0) -> None:
+def set_epoch(
+    loader: DataLoader | DeviceLoader | DecodingLoader, epoch: int, consumed: int = 0
+) -> None:
     """The one place that advances the training sampler: call once at the top of every epoch.
 
     `consumed`: samples of the epoch already trained on, summed over ranks (0 for a new epoch).
@@ -713,10 +787,12 @@ def set_epoch(loader: DataLoader | DeviceLoader, epoch: int, consumed: int = 0) 
     sampler.set_epoch(epoch, consumed)
 
 
-def close_loader(loader: DataLoader | DeviceLoader) -> None:
+def close_loader(loader: DataLoader | DeviceLoader | DecodingLoader) -> None:
     """Stop a loader's persistent workers now. Otherwise they stop when the loader is garbage
     collected, and an interpreter that exits first waits for them forever (multiprocessing
     joins its children at exit, while the workers wait for their parent to tell them)."""
+    if isinstance(loader, DecodingLoader):
+        loader = loader.loader
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
         iterator._shutdown_workers()

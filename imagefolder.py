@@ -8,6 +8,13 @@ from a hash of (seed, epoch, index), so a sample gets the same crop whichever ra
 worker reads it, and a resumed run (on any world size) sees exactly the crops an uninterrupted
 one would have. Images stay uint8 until they reach the device (`data.Preprocess` normalises
 there): four times less to decode into, copy and collate than float.
+
+Where the files are decoded is data.decode's choice (auto.decode). By default the loader
+workers decode them on the CPU (`ImageFolder.__getitem__`, `augmented_item`). With
+data.decode=device the workers only read each file's bytes (`encoded_item`) and the training
+process decodes a whole batch at once on its device (`decode_batch`: nvJPEG on a GPU), then
+crops and resizes there with the same transforms; on a CPU that path gives exactly the worker
+path's pixels.
 """
 
 from __future__ import annotations
@@ -66,14 +73,127 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     return classes, samples
 
 
-def read(path: str) -> torch.Tensor:
-    """The image at `path` as a uint8 RGB tensor (3, H, W), or UnreadableImage naming it."""
+def _unreadable(path: str, err: Exception) -> UnreadableImage:
+    return UnreadableImage(f"cannot read image {path}: {type(err).__name__}: {err}")
+
+
+def read_bytes(path: str) -> torch.Tensor:
+    """The file at `path` as a 1-D uint8 tensor, or UnreadableImage naming it."""
     from torchvision import io  # imported when used: it is slow to import
 
     try:
-        return io.decode_image(io.read_file(path), mode=io.ImageReadMode.RGB)
-    except Exception as err:  # a missing, truncated or non-image file; decode errors vary
-        raise UnreadableImage(f"cannot read image {path}: {type(err).__name__}: {err}") from None
+        return io.read_file(path)
+    except Exception as err:  # missing, unreadable, a directory
+        raise _unreadable(path, err) from None
+
+
+def decode(encoded: torch.Tensor, path: str) -> torch.Tensor:
+    """An encoded image (any format torchvision.io reads) as a uint8 RGB tensor (3, H, W) on
+    the CPU, or UnreadableImage naming `path`."""
+    from torchvision import io
+
+    try:
+        return io.decode_image(encoded, mode=io.ImageReadMode.RGB)
+    except Exception as err:  # a truncated or non-image file; decode errors vary
+        raise _unreadable(path, err) from None
+
+
+def read(path: str) -> torch.Tensor:
+    """The image at `path` as a uint8 RGB tensor (3, H, W), or UnreadableImage naming it."""
+    return decode(read_bytes(path), path)
+
+
+def is_jpeg(encoded: torch.Tensor) -> bool:
+    """Whether the bytes start as a JPEG file does (the SOI marker and the next marker's 0xFF)."""
+    return encoded.numel() >= 3 and encoded[:3].tolist() == [0xFF, 0xD8, 0xFF]
+
+
+def decode_many(
+    encoded: Sequence[torch.Tensor], paths: Sequence[str], device: torch.device
+) -> list[torch.Tensor | UnreadableImage]:
+    """Each encoded image as a uint8 RGB tensor (3, H, W) on `device`, or the UnreadableImage
+    naming its path.
+
+    The JPEGs go to one batched `decode_jpeg` call on the device (nvJPEG on a GPU,
+    libjpeg-turbo on a CPU); other formats, and every image of a batch the device decoder
+    refused (it fails the whole call for one bad file, or for a JPEG flavour it lacks), are
+    decoded one by one on the CPU and copied over.
+
+    On a GPU the decoding runs on a stream of its own. nvJPEG's hardware engine may write its
+    output before work already queued on the stream it is given has run (pytorch/vision#9606,
+    meta-pytorch/torchcodec#1634), so that stream must hold nothing else: output memory the
+    caching allocator recycles there is memory that only finished decodes used. The current
+    stream then waits for the decoding, and the allocator for the current stream's use of the
+    images (`record_stream`) before recycling them.
+    """
+    if device.type != "cuda":
+        return _decode_many(encoded, paths, device)
+    stream = _decode_stream(device)
+    with torch.cuda.stream(stream):
+        out = _decode_many(encoded, paths, device)
+    current = torch.cuda.current_stream(device)
+    current.wait_stream(stream)
+    for image in out:
+        if isinstance(image, torch.Tensor):
+            image.record_stream(current)
+    return out
+
+
+_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _decode_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _DECODE_STREAMS:
+        _DECODE_STREAMS[device] = torch.cuda.Stream(device)
+    return _DECODE_STREAMS[device]
+
+
+def _decode_many(
+    encoded: Sequence[torch.Tensor], paths: Sequence[str], device: torch.device
+) -> list[torch.Tensor | UnreadableImage]:
+    from torchvision import io
+
+    out: list[torch.Tensor | UnreadableImage | None] = [None] * len(encoded)
+    jpegs = [i for i, data in enumerate(encoded) if is_jpeg(data)]
+    if jpegs:
+        try:
+            decoded = io.decode_jpeg(
+                [encoded[i] for i in jpegs], mode=io.ImageReadMode.RGB, device=device
+            )
+        except RuntimeError:  # one bad file fails the call: each image on its own below
+            decoded = []
+        for i, image in zip(jpegs, decoded, strict=False):
+            out[i] = image
+    for i, image in enumerate(out):
+        if image is None:
+            try:
+                out[i] = decode(encoded[i], paths[i]).to(device, non_blocking=True)
+            except UnreadableImage as err:
+                out[i] = err
+    return out  # type: ignore[return-value]
+
+
+def device_decoding_problem(device: torch.device) -> str | None:
+    """None when `decode_jpeg` works on `device` and agrees with the CPU's libjpeg-turbo (up
+    to the rounding JPEG decoders differ by); else what went wrong."""
+    from torchvision import io
+
+    ys, xs = torch.meshgrid(torch.arange(48), torch.arange(64), indexing="ij")
+    image = torch.stack([ys * 5, xs * 4, (ys + xs) * 2]).to(torch.uint8)
+    try:
+        encoded = io.encode_jpeg(image, quality=95)
+        expected = io.decode_jpeg(encoded, mode=io.ImageReadMode.RGB)
+        stream = _decode_stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream):  # a no-op for None
+            got = io.decode_jpeg([encoded], mode=io.ImageReadMode.RGB, device=device)[0].cpu()
+    except Exception as err:  # no nvJPEG in this build, a driver error, ...
+        return f"{type(err).__name__}: {err}"
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return f"decoded a {tuple(expected.shape)} test image as {tuple(got.shape)} {got.dtype}"
+    error = (got.float() - expected.float()).abs().mean().item()
+    if error > 2:
+        return f"decoded a test image {error:.1f} levels away from libjpeg-turbo on average"
+    return None
 
 
 def crop_box(
@@ -122,41 +242,84 @@ class ImageFolder(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def _skip_or_raise(self, err: UnreadableImage) -> None:
+        if not self.skip_bad:
+            raise err
+        log.warning("skipping (data.bad_images=skip): %s", err)
+
     def _read(self, index: int) -> tuple[torch.Tensor | None, int]:
         path, label = self.samples[index]
         try:
             return read(path), label
         except UnreadableImage as err:
-            if not self.skip_bad:
-                raise
-            log.warning("skipping (data.bad_images=skip): %s", err)
+            self._skip_or_raise(err)
             return None, SKIPPED
 
-    def _blank(self) -> torch.Tensor:
-        return torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8)
+    def _blank(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8, device=device)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        """Evaluation view: the shorter side resized to image_size / crop_ratio, then the
-        center image_size x image_size crop."""
+    def eval_view(self, image: torch.Tensor) -> torch.Tensor:
+        """The shorter side resized to image_size / crop_ratio, then the center
+        image_size x image_size crop."""
         from torchvision.transforms.v2 import functional as F
 
-        image, label = self._read(index)
-        if image is None:
-            return self._blank(), label
         image = F.resize(image, [self.resize_size], antialias=True)
-        return F.center_crop(image, [self.image_size, self.image_size]), label
+        return F.center_crop(image, [self.image_size, self.image_size])
 
-    def augmented_item(self, index: int, key: int) -> tuple[torch.Tensor, int]:
-        """Training view: a random crop (`crop_box`) resized to image_size x image_size, then
-        flipped left-right with probability 1/2; every choice drawn from `key`, the sample's
-        hash of (seed, epoch, index)."""
+    def train_view(self, image: torch.Tensor, key: int) -> torch.Tensor:
+        """A random crop (`crop_box`) resized to image_size x image_size, then flipped
+        left-right with probability 1/2; every choice drawn from `key`, the sample's hash of
+        (seed, epoch, index)."""
         from torchvision.transforms.v2 import functional as F
 
-        image, label = self._read(index)
-        if image is None:
-            return self._blank(), label
         rnd = random.Random(key)
         top, left, h, w = crop_box(image.shape[-2], image.shape[-1], rnd, self.crop_scale)
         size = [self.image_size, self.image_size]
         image = F.resized_crop(image, top, left, h, w, size, antialias=True)
-        return (image.flip(-1) if rnd.random() < 0.5 else image), label
+        return image.flip(-1) if rnd.random() < 0.5 else image
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """Evaluation view (`eval_view`) of sample `index`."""
+        image, label = self._read(index)
+        return (self._blank() if image is None else self.eval_view(image)), label
+
+    def augmented_item(self, index: int, key: int) -> tuple[torch.Tensor, int]:
+        """Training view (`train_view`) of sample `index`, its choices drawn from `key`."""
+        image, label = self._read(index)
+        return (self._blank() if image is None else self.train_view(image, key)), label
+
+    def encoded_item(self, index: int) -> tuple[torch.Tensor, str, int]:
+        """Sample `index` undecoded, for `decode_batch`: (file bytes, path, label); an
+        unreadable file skipped is empty bytes with label SKIPPED."""
+        path, label = self.samples[index]
+        try:
+            return read_bytes(path), path, label
+        except UnreadableImage as err:
+            self._skip_or_raise(err)
+            return torch.empty(0, dtype=torch.uint8), path, SKIPPED
+
+    def decode_batch(
+        self,
+        encoded: Sequence[torch.Tensor],
+        paths: Sequence[str],
+        labels: torch.Tensor,
+        keys: Sequence[int] | None,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of `encoded_item`s decoded on `device` (`decode_many`) and transformed there:
+        the training view with `keys` (one per sample), else the evaluation view. Returns the
+        uint8 batch and the labels, SKIPPED where an image was skipped; the same pixels as
+        `augmented_item` / `__getitem__` when `device` is the CPU."""
+        labels = labels.clone()
+        views = []
+        for i, image in enumerate(decode_many(encoded, paths, device)):
+            if isinstance(image, UnreadableImage):
+                if labels[i] != SKIPPED:  # not already skipped when its bytes were read
+                    self._skip_or_raise(image)
+                    labels[i] = SKIPPED
+                views.append(self._blank(device))
+            elif keys is None:
+                views.append(self.eval_view(image))
+            else:
+                views.append(self.train_view(image, keys[i]))
+        return torch.stack(views), labels

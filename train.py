@@ -94,9 +94,11 @@ class Trainer:
         self.auto = auto.resolve(cfg, info, data.in_memory_numel(splits.train))
         log.info("settings: %s", self.auto.describe(cfg))
         self.train_loader = data.build_train_loader(
-            splits, cfg.data, info, cfg.train.seed, self.auto.loader
+            splits, cfg.data, info, cfg.train.seed, self.auto.loader, self.auto.decode
         )
-        self.eval_loader = data.build_eval_loader(splits, cfg.data, info, cfg.train.seed)
+        self.eval_loader = data.build_eval_loader(
+            splits, cfg.data, info, cfg.train.seed, self.auto.decode
+        )
         self.preprocess = data.Preprocess(splits, info.device, self.auto.channels_last)
         self.num_train = len(splits.train)  # type: ignore[arg-type]
         self.num_eval = len(splits.eval)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ def test_auto_on_cpu_is_the_documented_cpu_choice_for_each_setting() -> None:
         channels_last=True,  # oneDNN's convolutions prefer NHWC
         optimizer_impl="foreach",
         loader="device",  # in memory, and not a GPU whose free memory could be short
+        decode="none",  # nothing to decode: Fashion-MNIST is held in memory
         progress=False,  # pytest's stderr is not a terminal
     )
 
@@ -36,12 +37,14 @@ def test_explicit_settings_are_kept() -> None:
         train=dataclasses.replace(cfg.train, amp="bf16", compile="on"),
         model=dataclasses.replace(cfg.model, channels_last="off"),
         optim=dataclasses.replace(cfg.optim, impl="loop"),
-        data=dataclasses.replace(cfg.data, loader="dataloader"),
+        data=dataclasses.replace(cfg.data, loader="dataloader", decode="workers"),
         log=dataclasses.replace(cfg.log, progress="on"),
         dist=dataclasses.replace(cfg.dist, backend="gloo"),
     )
     resolved = auto.resolve(cfg, TWO, in_memory_numel=1000)
-    assert resolved == auto.Auto("gloo", torch.bfloat16, True, False, "loop", "dataloader", True)
+    assert resolved == auto.Auto(
+        "gloo", torch.bfloat16, True, False, "loop", "dataloader", "none", True
+    )
     # Nothing was "auto": the log line states values without arrows.
     assert "->" not in resolved.describe(cfg)
 
@@ -50,6 +53,13 @@ def test_a_dataset_read_from_files_gets_the_dataloader() -> None:
     assert auto.loader("auto", "imagefolder", None, CPU) == "dataloader"
     with pytest.raises(ConfigError, match="data.loader=device needs an in-memory dataset"):
         auto.loader("device", "imagefolder", None, CPU)
+
+
+def test_image_folders_decode_in_the_loader_workers_on_a_cpu() -> None:
+    """A CPU's cores decode in parallel in the workers; device decoding is asked for only."""
+    assert auto.decode("auto", True, CPU) == "workers"
+    assert auto.decode("device", True, CPU) == "device"
+    assert auto.decode("auto", False, CPU) == "none"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
@@ -68,5 +78,6 @@ def test_describe_names_each_setting_and_what_auto_became() -> None:
         "model.channels_last=auto->on",
         "optim.impl=auto->foreach",
         "data.loader=auto->dataloader",
+        "data.decode=auto->none",
         "log.progress=auto->off",
     ]

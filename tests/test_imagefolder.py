@@ -178,3 +178,119 @@ def test_imagefolder_dataset_with_custom_normalisation_and_class_list(tmp_path) 
     bad = DataConfig(dataset="imagefolder", root=str(tmp_path), mean=(0.5,))
     with pytest.raises(ConfigError, match=r"data.mean=0.5 has 1 values; the data has 3 channels"):
         data.build_datasets(bad, 0, DistInfo(0, 0, 1, CPU))
+
+
+def mixed_folder(root: Path) -> None:
+    """JPEGs of several sizes (one grayscale, one progressive) and a PNG: every path that
+    device decoding takes (batched JPEG call, PNG decoded on the CPU)."""
+    make_folder(root, {"a": 3, "b": 2}, size=(50, 37))
+    noise_image(root / "a" / "big.jpg", (90, 64), seed=3)
+    noise_image(root / "b" / "gray.jpg", (33, 41), seed=4, mode="L")
+    noise_image(root / "b" / "lossless.png", (40, 40), seed=5)
+    Image.open(root / "a" / "0.jpg").save(root / "a" / "progressive.jpg", progressive=True)
+
+
+def test_device_decoding_gives_the_worker_path_pixels(tmp_path) -> None:
+    """decode_batch on the CPU against the worker path (`augmented_item`, `__getitem__`),
+    sample by sample: bit for bit, training and evaluation views."""
+    mixed_folder(tmp_path)
+    images = folder(tmp_path, size=24)
+    n = len(images)
+    items = [images.encoded_item(i) for i in range(n)]
+    encoded, paths, labels = ([item[k] for item in items] for k in range(3))
+    keys = [data._mix64(7, 1, i) for i in range(n)]
+    train, train_labels = images.decode_batch(encoded, paths, torch.tensor(labels), keys, CPU)
+    evaluated, _ = images.decode_batch(encoded, paths, torch.tensor(labels), None, CPU)
+    for i in range(n):
+        expected, label = images.augmented_item(i, keys[i])
+        assert torch.equal(train[i], expected) and train_labels[i] == label, paths[i]
+        assert torch.equal(evaluated[i], images[i][0]), paths[i]
+    assert train.shape == (n, 3, 24, 24) and train.dtype == torch.uint8
+
+
+def test_device_decoding_names_or_skips_a_corrupt_file_in_a_batch(tmp_path, caplog) -> None:
+    """One corrupt JPEG fails a batched decode_jpeg call as a whole: the others still decode,
+    and the corrupt one is named (bad_images=fail) or blanked and logged (skip)."""
+    make_folder(tmp_path, {"a": 3})
+    whole = (tmp_path / "a" / "0.jpg").read_bytes()
+    (tmp_path / "a" / "1.jpg").write_bytes(whole[: len(whole) // 3])  # a truncated JPEG
+    (tmp_path / "a" / "2.jpg").write_bytes(b"\xff\xd8\xff not a JPEG at all")
+    for skip in (False, True):
+        images = folder(tmp_path, size=16, skip=skip)
+        items = [images.encoded_item(i) for i in range(3)]
+        encoded, paths, labels = ([item[k] for item in items] for k in range(3))
+        if not skip:
+            with pytest.raises(imagefolder.UnreadableImage, match=r"cannot read image .*a/1\.jpg"):
+                images.decode_batch(encoded, paths, torch.tensor(labels), None, CPU)
+            continue
+        with caplog.at_level("WARNING"):
+            batch, labels = images.decode_batch(encoded, paths, torch.tensor(labels), None, CPU)
+        assert torch.equal(batch[0], images[0][0]) and labels[0] == 0
+        for i in (1, 2):
+            assert labels[i] == imagefolder.SKIPPED and not batch[i].any()
+            assert f"a/{i}.jpg" in caplog.text
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_device_decoding_loaders_yield_the_worker_loaders_batches(tmp_path, num_workers) -> None:
+    """The loaders of data.decode=device and =workers on a subset of a folder, over two epochs
+    and both ranks of two: the same batches, bit for bit, in the same order."""
+    for split in ("train", "val"):
+        mixed_folder(tmp_path / split)
+    cfg = DataConfig(
+        dataset="imagefolder",
+        root=str(tmp_path),
+        image_size=20,
+        subset=7,
+        batch_size=2,
+        eval_batch_size=3,
+        num_workers=num_workers,
+    )
+    for rank in (0, 1):
+        info = DistInfo(rank, rank, 2, CPU)
+        splits = data.build_datasets(cfg, 3, info)
+        workers = data.build_train_loader(splits, cfg, info, 3, "dataloader", "workers")
+        device = data.build_train_loader(splits, cfg, info, 3, "dataloader", "device")
+        assert isinstance(device, data.DecodingLoader) and len(device) == len(workers) == 1
+        for epoch in (0, 1):
+            data.set_epoch(workers, epoch)
+            data.set_epoch(device, epoch)
+            for ours, theirs in zip(device, workers, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        eval_workers = data.build_eval_loader(splits, cfg, info, 3, "workers")
+        eval_device = data.build_eval_loader(splits, cfg, info, 3, "device")
+        batches = list(zip(eval_device, eval_workers, strict=True))
+        assert sum(len(ours[1]) for ours, _ in batches) == [5, 4][rank]  # 9 images, each once
+        for ours, theirs in batches:
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        for loader in (workers, device, eval_workers, eval_device):
+            data.close_loader(loader)
+
+
+def test_a_device_decoder_that_fails_its_check_is_reported(monkeypatch) -> None:
+    """The start-up check passes on this CPU; a decoder that raises (as a GPU build without
+    nvJPEG does) or decodes wrongly is reported, and auto.decode then keeps the workers."""
+    from torchvision import io
+
+    assert imagefolder.device_decoding_problem(CPU) is None
+    real = io.decode_jpeg
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no nvJPEG here")
+
+    monkeypatch.setattr(io, "decode_jpeg", failing)
+    assert imagefolder.device_decoding_problem(CPU) == "RuntimeError: no nvJPEG here"
+
+    def wrong(data, mode, device="cpu"):
+        if isinstance(data, list):
+            return [255 - image for image in real(data, mode=mode, device=device)]
+        return real(data, mode=mode, device=device)
+
+    monkeypatch.setattr(io, "decode_jpeg", wrong)
+    assert "levels away from libjpeg-turbo" in imagefolder.device_decoding_problem(CPU)
+
+
+def test_device_decoding_is_for_image_folders_only() -> None:
+    with pytest.raises(ConfigError, match=r"data.decode: 'device' \(it is for imagefolder only"):
+        DataConfig(decode="device")
+    assert DataConfig(dataset="imagefolder", decode="device").decode == "device"

@@ -443,3 +443,38 @@ def test_unreadable_images_are_skipped_counted_and_named_when_asked(tmp_path, jp
     assert str(root / "val" / "dress" / "broken.jpg") in skipped.output
     assert "evaluated 101 of the 102 samples: 1 unreadable images were left out" in skipped.output
     assert rows(tmp_path / "run", "eval")[-1]["num_samples"] == 101
+
+
+@needs_fashion_mnist
+def test_device_decoding_trains_exactly_as_the_workers_do_and_resumes(
+    tmp_path, jpeg_folder
+) -> None:
+    """data.decode=device (the path auto picks on a CUDA GPU: workers read the files, the
+    training process decodes and crops each batch) on this CPU, preempted and resumed, against
+    an uninterrupted 2-rank run that decodes in the loader workers: the same weights, bit for
+    bit, and the same evaluations."""
+    args = [
+        "--data.dataset=imagefolder",
+        f"--data.root={jpeg_folder}",
+        "--data.image_size=24",
+        "--data.batch_size=20",  # 10 steps per epoch on 2 ranks
+        "--train.epochs=2",
+        "--optim.warmup_steps=2",
+        *SMALL,
+        "--log.tensorboard=false",
+    ]
+    reference = tmp_path / "workers"
+    done = launch(2, f"--run.dir={reference}", *args, "--data.decode=workers")
+    assert done.returncode == 0, done.output[-4000:]
+    assert "data.decode=workers" in done.output
+    run_dir, device = tmp_path / "device", [*args, "--data.decode=device"]
+    first = launch(2, f"--run.dir={run_dir}", *device, faults="sigterm@step=12")
+    assert "exitcode: 75" in first.output and "data.decode=device" in first.output
+    second = launch(2, f"--run.dir={run_dir}", *device)
+    assert second.returncode == 0, second.output[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_13.pt'}" in second.output
+    assert_same_training_state(final_state(run_dir), final_state(reference))
+    ours, theirs = rows(run_dir, "eval"), rows(reference, "eval")
+    assert [(r["step"], r["loss"], r["num_samples"]) for r in ours] == [
+        (r["step"], r["loss"], r["num_samples"]) for r in theirs
+    ]
