@@ -9,6 +9,7 @@ under `if rank == 0` hangs the other ranks until the timeout).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -318,6 +319,34 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def weights_digest(module: nn.Module) -> str:
+    """A SHA-256 of the module's parameters and buffers, by name (a copy to the CPU)."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def check_same_weights(module: nn.Module, what: str) -> None:
+    """Collective: ConfigError on every rank, naming the ranks, unless every rank's module holds
+    the same weights after `what` (a file read on each node, which nodes may hold in different
+    versions)."""
+    digests = all_gather_object(weights_digest(module))
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        described = "; ".join(
+            f"ranks {','.join(map(str, ranks))}: sha256 {digest[:12]}"
+            for digest, ranks in groups.items()
+        )
+        raise ConfigError(
+            f"{what} gave the ranks different weights ({described}): the file differs between "
+            "nodes; give every node the same file (or one on a shared filesystem)"
+        )
 
 
 class AllReduceTimer:

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from config import ConfigError
+from engine import IGNORED as SKIPPED  # a skipped image's label: left out of every count
 
 log = logging.getLogger(__name__)
 # torchvision 0.29 deprecates its image decoders in favour of TorchCodec 0.16 (which needs torch
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", "The image decoding and encoding", DeprecationWarning)
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+# Images torchvision.io cannot decode (torchvision's ImageFolder reads them through PIL).
+OTHER_IMAGES = (".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".avif", ".heic")
 RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range (torchvision's default)
-SKIPPED = -100  # the label of a skipped image: cross-entropy's ignore_index, counted nowhere
 
 
 class UnreadableImage(OSError):
@@ -57,19 +59,31 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     if not classes:
         raise ConfigError(f"{root} has no class folders: put images in {root}/<class>/")
     samples: list[tuple[str, int]] = []
+    unread: list[str] = []
     for label, name in enumerate(classes):
-        found = sorted(
+        files = [
             os.path.join(folder, file)
-            for folder, _, files in os.walk(root / name, followlinks=True)
-            for file in files
-            if file.lower().endswith(EXTENSIONS) and not file.startswith(".")
-        )
+            for folder, _, names in os.walk(root / name, followlinks=True)
+            for file in names
+            if not file.startswith(".")
+        ]
+        found = sorted(path for path in files if path.lower().endswith(EXTENSIONS))
+        unread += [path for path in files if path.lower().endswith(OTHER_IMAGES)]
         if not found:
             raise ConfigError(
                 f"class folder {root / name} holds no images (files ending in "
                 f"{', '.join(EXTENSIONS)}, any case)"
             )
         samples += [(path, label) for path in found]
+    if unread:
+        log.warning(
+            "%s: %d image files in formats this pipeline does not read are left out (%s%s); "
+            "convert them to JPEG or PNG to train on them",
+            root,
+            len(unread),
+            ", ".join(sorted(unread)[:3]),
+            ", ..." if len(unread) > 3 else "",
+        )
     return classes, samples
 
 

@@ -6,6 +6,7 @@ from a local file. Nothing here knows of DDP.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import logging
 from collections.abc import Sequence
@@ -159,6 +160,7 @@ def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.
     in_channels = input_shape[0]
     if cfg.factory:
         factory = load_factory("model.factory", cfg.factory)
+        _check_call(factory, f"model.factory={cfg.factory}", cfg.kwargs, kwargs, in_channels)
         model = factory(in_channels=in_channels, num_classes=num_classes, **kwargs)
         if not isinstance(model, nn.Module):
             raise ConfigError(
@@ -169,7 +171,15 @@ def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.
     elif cfg.name == MINI_RESNET:
         options = {"widths": cfg.widths, "blocks_per_stage": cfg.blocks_per_stage}
         options |= {"norm": cfg.norm, "dropout": cfg.dropout, "stem_stride": cfg.stem_stride}
+        shadowed = sorted(set(kwargs) & set(options))
+        if shadowed:
+            raise ConfigError(
+                f"model.kwargs={cfg.kwargs} sets {', '.join(shadowed)}: for mini_resnet set "
+                + ", ".join(f"model.{key}" for key in shadowed)
+                + " instead (they are checked there)"
+            )
         options |= kwargs
+        _check_call(MiniResNet, "model.name=mini_resnet", cfg.kwargs, options, in_channels)
         model = MiniResNet(in_channels=in_channels, num_classes=num_classes, **options)
         what = f"model.name={cfg.name}"
     else:
@@ -177,6 +187,22 @@ def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.
         what = f"model.name={cfg.name}"
     _check_forward(model, what, input_shape, num_classes)
     return model
+
+
+def _check_call(
+    function: Any, what: str, spelled: str, kwargs: dict[str, Any], in_channels: int
+) -> None:
+    """ConfigError when `function` cannot be called with in_channels, num_classes and
+    `kwargs` (an unknown or missing keyword): said as a setting, not as a TypeError raised
+    from inside the model's code, which stays the user's own error."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no signature to check (a builtin): the call will say
+        return
+    try:
+        signature.bind(in_channels=in_channels, num_classes=2, **kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{what} cannot be called with model.kwargs={spelled}: {err}") from None
 
 
 def _torchvision(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,10 +238,21 @@ class CheckpointManager:
         self.directory = checkpoint.checkpoint_dir(cfg.run.dir)
         self.saver = checkpoint.AsyncSaver() if cfg.ckpt.async_save else None
         self.parts: dict[str, Stateful] = {}
+        # Parts a setting turns on: name -> (setting, how the part starts when a checkpoint
+        # written without it is resumed).
+        self.optional: dict[str, tuple[str, Callable[[], None]]] = {}
         self.total_steps = 0  # recorded in checkpoints, to report a changed schedule on resume
 
-    def register(self, name: str, part: Stateful) -> None:
-        """Save `part` under `name` from now on; resuming loads it in registration order."""
+    def register(
+        self, name: str, part: Stateful, optional: tuple[str, Callable[[], None]] | None = None
+    ) -> None:
+        """Save `part` under `name` from now on; resuming loads it in registration order.
+
+        `optional`: (the setting that turned the part on, how it starts afresh) when a run may
+        turn it on at a resume: a checkpoint written without it then starts it afresh, and one
+        written with it resumes in a run without it."""
+        if optional is not None:
+            self.optional[name] = optional
         if not isinstance(part, Stateful):
             raise TypeError(f"{name}: {type(part).__name__} has no state_dict/load_state_dict")
         if name in self.parts or name in _META_KEYS:
@@ -331,6 +343,18 @@ class CheckpointManager:
         state = upgrade(state, path)
         self.check_compatible(path, state)
         for name, part in self.parts.items():
+            if name not in state:  # optional, turned on in this run
+                setting, start = self.optional[name]
+                if self.info.is_main:
+                    log.warning(
+                        "%s was not set when checkpoint %s was written: its %s starts from the "
+                        "resumed weights",
+                        setting,
+                        path,
+                        name,
+                    )
+                start()
+                continue
             try:
                 part.load_state_dict(state[name])
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
@@ -382,7 +406,8 @@ class CheckpointManager:
         Changes of the global batch, the schedule, the model or the data are reported.
         """
         cfg, info = self.cfg, self.info
-        missing = [key for key in (*self.parts, *_REQUIRED_META) if key not in state]
+        required = [key for key in self.parts if key not in self.optional]
+        missing = [key for key in (*required, *_REQUIRED_META) if key not in state]
         if missing:
             raise checkpoint.CheckpointError(
                 f"checkpoint {path} lacks {', '.join(missing)}: not written by this version of "

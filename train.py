@@ -131,9 +131,10 @@ class Trainer:
             ("scheduler", state.SchedulerState(self.scheduler, self.optimizer)),
             ("scaler", state.ScalerState(self.scaler)),
             ("ledger", self.ledger),
-            *([("ema", self.ema)] if self.ema is not None else []),
         ):
             self.checkpoints.register(name, part)
+        if self.ema is not None:  # after the model: a checkpoint without it starts it there
+            self.checkpoints.register("ema", self.ema, ("train.ema_decay", self.ema.restart))
         self.model = distributed.wrap_model(model, info, cfg.dist)
         if self.auto.compile:
             self.model = torch.compile(self.model)
@@ -222,7 +223,8 @@ class Trainer:
                 self.position.epoch,
                 self.position.samples_in_epoch,
             )
-            if resumed.meta.get("total_steps", self.total_steps) != self.total_steps:
+            ends = resumed.meta.get("total_steps", self.total_steps)
+            if ends != self.total_steps and self.info.is_main:  # the same on every rank
                 log.warning(
                     "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
                     "the world size changed): the cosine learning-rate schedule is stretched to "
@@ -232,7 +234,7 @@ class Trainer:
                 )
         self.checkpoints.total_steps = self.total_steps
         warmup = engine.warmup_steps(self.cfg.optim.warmup_steps, self.total_steps)
-        if warmup < self.cfg.optim.warmup_steps:
+        if warmup < self.cfg.optim.warmup_steps and self.info.is_main:
             log.warning(
                 "optim.warmup_steps=%d is more than a quarter of this run's %d steps: warming "
                 "up over %d steps instead",
@@ -269,13 +271,15 @@ class Trainer:
 
     def load_weights(self, path: str) -> None:
         """Start from the weights in `path` (model.weights), on every rank (collective: a rank
-        that cannot load them fails every rank)."""
+        that cannot load them fails every rank, and so do ranks that loaded different ones)."""
         error = None
+        model = distributed.unwrap_model(self.model)
         try:
-            models.load_weights(distributed.unwrap_model(self.model), path)
+            models.load_weights(model, path)
         except ConfigError as err:
             error = err
         distributed.raise_if_any_failed(self.info, error, f"loading model.weights={path}")
+        distributed.check_same_weights(model, f"model.weights={path}")
         if self.ema is not None:  # it copied the initial weights: average the loaded ones
             self.ema.restart()
 

@@ -227,3 +227,33 @@ def test_static_graph_with_accumulation_is_refused(capsys) -> None:
     with pytest.raises(ConfigError):
         parse_args(["--dist.static_graph=true", "--train.grad_accum_steps=2"])
     assert "dist.static_graph=true cannot be combined" in " ".join(capsys.readouterr().err.split())
+
+
+def _load_node_weights(info: DistInfo, tmp_path, odd_one: int | None) -> str | None:
+    """model.weights as each node sees it: the same path, and on rank `odd_one`'s node a file
+    of other weights."""
+    import model as models
+    from config import ConfigError
+
+    torch.manual_seed(0)
+    saved = nn.Linear(3, 2)
+    if info.rank == odd_one:
+        with torch.no_grad():
+            saved.weight.add_(1e-3)
+    path = tmp_path / f"node{info.rank}.pt"
+    torch.save(saved.state_dict(), path)
+    loaded = nn.Linear(3, 2)
+    models.load_weights(loaded, str(path))
+    try:
+        distributed.check_same_weights(loaded, "model.weights=w.pt")
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_that_load_different_weights_all_stop_naming_them(tmp_path) -> None:
+    assert run_ranks(_load_node_weights, 3, tmp_path, tmp_path, None) == [None] * 3
+    messages = run_ranks(_load_node_weights, 3, tmp_path, tmp_path, 1)
+    assert len(set(messages)) == 1 and messages[0] is not None
+    assert "model.weights=w.pt gave the ranks different weights (ranks 0,2: sha256" in messages[0]
+    assert "; ranks 1: sha256" in messages[0]

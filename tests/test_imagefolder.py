@@ -41,12 +41,16 @@ def folder(root: Path, size: int = 32, scale=(0.08, 1.0), skip: bool = False):
     return imagefolder.ImageFolder(root, size, 0.875, scale, skip)
 
 
-def test_scan_sorts_classes_and_files_and_ignores_other_files(tmp_path) -> None:
+def test_scan_sorts_classes_and_files_and_ignores_other_files(tmp_path, caplog) -> None:
     make_folder(tmp_path, {"b": 2, "a": 3})
     (tmp_path / "a" / "notes.txt").write_text("not an image")
     noise_image(tmp_path / "a" / ".hidden.jpg", (8, 8))
     noise_image(tmp_path / "b" / "deeper" / "x.PNG", (8, 8))
-    classes, samples = imagefolder.scan(tmp_path)
+    noise_image(tmp_path / "b" / "old.bmp", (8, 8))  # left out, with a warning naming it
+    with caplog.at_level("WARNING"):
+        classes, samples = imagefolder.scan(tmp_path)
+    assert "1 image files in formats this pipeline does not read are left out" in caplog.text
+    assert "b/old.bmp" in caplog.text
     assert classes == ["a", "b"]
     assert [(Path(p).relative_to(tmp_path).as_posix(), label) for p, label in samples] == [
         ("a/0.jpg", 0),

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 import uuid
@@ -127,6 +128,27 @@ def test_a_factory_gets_channels_classes_and_kwargs(tmp_path, monkeypatch) -> No
     cfg = ModelConfig(factory=f"{name}:linear", kwargs='{"hidden": 5}')
     model = models.build(cfg, (2, 8, 8), 3)
     assert [m.out_features for m in model if isinstance(m, nn.Linear)] == [5, 3]
+    for kwargs, why in [
+        ("{}", "missing a required argument: 'hidden'"),
+        ('{"depth": 2, "hidden": 5}', "got an unexpected keyword argument 'depth'"),
+    ]:
+        wrong = ModelConfig(factory=f"{name}:linear", kwargs=kwargs)
+        with pytest.raises(
+            ConfigError,
+            match=f"model.factory={name}:linear cannot be called "
+            f"with model.kwargs={re.escape(kwargs)}: {why}",
+        ):
+            models.build(wrong, (2, 8, 8), 3)
+    # A TypeError inside the user's code is theirs to see, with its traceback.
+    with pytest.raises(TypeError, match="must be tuple of ints"):
+        models.build(ModelConfig(factory=f"{name}:linear", kwargs='{"hidden": "5"}'), (2, 8, 8), 3)
+
+
+def test_mini_resnet_kwargs_cannot_bypass_its_checked_settings() -> None:
+    with pytest.raises(ConfigError, match=r"sets widths: for mini_resnet set model.widths"):
+        models.build(ModelConfig(kwargs='{"widths": [0]}'), (1, 28, 28), 10)
+    with pytest.raises(ConfigError, match=r"model.name=mini_resnet cannot be called .*'depth'"):
+        models.build(ModelConfig(kwargs='{"depth": 3}'), (1, 28, 28), 10)
 
 
 @pytest.mark.parametrize(

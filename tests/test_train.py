@@ -334,3 +334,26 @@ def test_flip_evaluation_averages_the_logits_of_each_image_and_its_mirror() -> N
     assert result.accuracy == (logits.argmax(1) == labels).float().mean().item()
     plain = engine.evaluate(model, [(images, labels)], CPU, None)
     assert plain.loss != pytest.approx(loss)  # the flip changed the logits
+
+
+def test_turning_the_weight_average_on_at_a_resume_starts_it_from_the_resumed_weights(
+    caplog,
+) -> None:
+    """A checkpoint written without train.ema_decay resumes with it: the average starts from
+    the weights just loaded (a warning says so) instead of the run failing on a missing part.
+    Any other missing part is still refused."""
+    import engine
+
+    cfg = Config()
+    model = torch.nn.Linear(2, 2)
+    saved = saved_state(cfg, model={"weight": torch.full((2, 2), 3.0), "bias": torch.zeros(2)})
+    manager, _ = manager_with(cfg, model=state.ModelState(model))
+    average = engine.WeightAverage(model, decay=0.9)
+    manager.register("ema", average, ("train.ema_decay", average.restart))
+    with caplog.at_level("WARNING"):
+        manager.restore(Path("c.pt"), saved)
+    assert "train.ema_decay was not set when checkpoint c.pt was written" in caplog.text
+    assert average.updates == 0 and torch.equal(average.averaged.weight, torch.full((2, 2), 3.0))
+    without_ledger = {key: value for key, value in saved.items() if key != "ledger"}
+    with pytest.raises(checkpoint.CheckpointError, match="c.pt lacks ledger"):
+        manager.restore(Path("c.pt"), without_ledger)
