@@ -519,6 +519,11 @@ class LogConfig(_Section):
     mfu: bool = True
     """count the model's FLOPs (torch.utils.flop_counter) and time a matmul
     at start-up to log achieved TFLOP/s and model FLOP utilisation"""
+    resources: bool = True
+    """CPU use of each training process and of its loader workers, GPU
+    utilisation (with nvidia-ml-py) and memory in train rows (min, median
+    and max over ranks), and warnings that say what to change when the
+    loader or the step size holds the hardware back"""
 
     def __post_init__(self) -> None:
         self._require("every_steps", self.every_steps >= 1, "must be >= 1")

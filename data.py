@@ -787,6 +787,16 @@ def set_epoch(
     sampler.set_epoch(epoch, consumed)
 
 
+def worker_pids(loader: DataLoader | DeviceLoader | DecodingLoader) -> list[int]:
+    """The process ids of a loader's running workers (none before its first iterator, none
+    for the device loader)."""
+    if isinstance(loader, DecodingLoader):
+        loader = loader.loader
+    iterator = getattr(loader, "_iterator", None)
+    workers = getattr(iterator, "_workers", None) or []
+    return [w.pid for w in workers if w.pid is not None and w.is_alive()]
+
+
 def close_loader(loader: DataLoader | DeviceLoader | DecodingLoader) -> None:
     """Stop a loader's persistent workers now. Otherwise they stop when the loader is garbage
     collected, and an interpreter that exits first waits for them forever (multiprocessing

@@ -313,6 +313,16 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return holder[0]
 
 
+def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), in rank order: one all-gather."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    if not _active():
+        return [values]
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     if not _active():
         return [obj]

@@ -22,6 +22,7 @@ from torch import nn
 import auto
 import distributed
 import resilience
+import saturation
 from config import Config
 from distributed import DistInfo
 from engine import EvalResult, StepStats
@@ -75,8 +76,11 @@ class Instruments:
         position: Any,  # state.Position: its step and epoch label every row
         lr: Callable[[], float],
         stall_timeout_s: float | None = None,
+        worker_pids: Callable[[], list[int]] = list,
     ) -> None:
         self.cfg, self.info, self.writer, self.position, self.lr = cfg, info, writer, position, lr
+        self.usage = saturation.Usage(info.device, worker_pids) if cfg.log.resources else None
+        self.advisor = saturation.Advisor()
         self.meter = TrainMeter(info.device, info.world_size)
         self.clock = PhaseClock(info.device)
         every = cfg.log.straggler_every_steps if info.world_size > 1 else 0
@@ -169,6 +173,12 @@ class Instruments:
 
     def log_train(self) -> None:
         figures = self.meter.reduce(self.clock.take())  # a collective: every rank logs together
+        if self.usage is not None:  # one more, at the same step on every rank
+            samples = distributed.all_gather_floats(self.usage.sample(), self.info.device)
+            figures |= saturation.reduce(samples)
+            if self.info.is_main:
+                on_gpu = self.info.device.type == "cuda"
+                self.advisor.consider(saturation.advice(figures, self.cfg.data.num_workers, on_gpu))
         if self.flops_per_sample:
             per_rank = self.flops_per_sample * figures["samples_per_s"] / self.info.world_size
             figures["tflops_per_rank"] = per_rank / 1e12

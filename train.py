@@ -50,6 +50,7 @@ import model as models
 import preflight
 import resilience
 import rundir
+import saturation
 import state
 from config import (
     Config,
@@ -144,8 +145,21 @@ class Trainer:
         )
         writer = MetricsWriter(self.run_dir, info.is_main, cfg.log.tensorboard)
         self.instruments = Instruments(
-            cfg, info, self.model, writer, self.position, self.current_lr, stall_timeout_s
+            cfg,
+            info,
+            self.model,
+            writer,
+            self.position,
+            self.current_lr,
+            stall_timeout_s,
+            worker_pids=lambda: data.worker_pids(self.train_loader),
         )
+        if cfg.log.resources and info.local_rank == 0:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            workers = cfg.data.num_workers if self.auto.loader == "dataloader" else 0
+            crowded = saturation.oversubscribed(local_ranks, workers, saturation.available_cores())
+            if crowded:
+                log.warning("%s", crowded)
         self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
         # The checkpoint resumed from was written on preemption at the end of an epoch (or of
         # the run), before that segment's evaluation: evaluate (and save) before training on.

@@ -1,0 +1,156 @@
+"""CPU use measured against processes made to burn a known share of a core, the warnings'
+rules by hand, and the reduction over ranks."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from helpers import launch, rows
+from torch.utils.data import DataLoader, Dataset
+
+import data
+import saturation
+
+CPU = torch.device("cpu")
+
+
+class Spinning(Dataset):
+    """Each sample keeps its loader worker's core busy for `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, index: int) -> int:
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            pass
+        return index
+
+
+def test_loader_workers_cpu_use_is_measured_per_worker() -> None:
+    """One worker spinning for every sample is CPU-bound (about one core); the training
+    process, sleeping while it waits, uses little."""
+    loader = DataLoader(Spinning(0.02), batch_size=1, num_workers=1, persistent_workers=True)
+    batches = iter(loader)
+    next(batches)  # the worker is up
+    usage = saturation.Usage(CPU, lambda: data.worker_pids(loader))
+    assert len(data.worker_pids(loader)) == 1
+    for _ in range(25):  # about 0.5 s of the worker's CPU time
+        next(batches)
+    trainer, loader_cores, per_worker, *gpu = usage.sample()
+    assert 0.7 < per_worker <= 1.05 and loader_cores == per_worker
+    assert trainer < 0.5
+    assert all(math.isnan(v) for v in gpu)  # no GPU: not measured, left out of rows
+    data.close_loader(loader)
+
+
+def test_reduce_gives_min_median_max_over_the_ranks_that_measured() -> None:
+    nan = math.nan
+    rows = [
+        [1.0, 0.5, 0.25, nan, nan, nan, nan],
+        [3.0, nan, nan, nan, nan, nan, nan],
+        [2.0, 1.5, 0.75, nan, nan, nan, nan],
+    ]
+    out = saturation.reduce(rows)
+    assert (out["cpu_trainer_cores_min"], out["cpu_trainer_cores_median"]) == (1.0, 2.0)
+    assert out["cpu_trainer_cores_max"] == 3.0
+    assert out["cpu_loader_cores_median"] == 1.0  # of the two ranks with workers
+    assert not any(key.startswith("gpu_") for key in out)
+
+
+def test_advice_names_what_to_change() -> None:
+    busy = {"data_wait_frac": 0.3, "cpu_loader_worker_frac_median": 0.95}
+    ((kind, message),) = saturation.advice(busy, num_workers=2, on_gpu=False)
+    assert kind == "loader-cpu-bound" and "add workers (data.num_workers" in message
+    idle_workers = {"data_wait_frac": 0.3, "cpu_loader_worker_frac_median": 0.2}
+    assert saturation.advice(idle_workers, num_workers=2, on_gpu=False) == []
+    ((kind, _),) = saturation.advice({"data_wait_frac": 0.3}, num_workers=0, on_gpu=False)
+    assert kind == "loader-in-process"
+    small = {"data_wait_frac": 0.01, "gpu_util_pct_median": 35.0}
+    ((kind, message),) = saturation.advice(small, num_workers=2, on_gpu=True)
+    assert kind == "gpu-underused" and "raise data.batch_size" in message
+    assert saturation.advice(small, num_workers=2, on_gpu=False) == []  # no GPU to underuse
+    starved = {"data_wait_frac": 0.3, "gpu_util_pct_median": 35.0}  # the loader's fault
+    assert [k for k, _ in saturation.advice(starved, 0, on_gpu=True)] == ["loader-in-process"]
+
+
+def test_oversubscription_counts_every_local_ranks_workers() -> None:
+    assert saturation.oversubscribed(local_ranks=2, num_workers=4, cores=16) is None
+    message = saturation.oversubscribed(local_ranks=4, num_workers=5, cores=16)
+    assert message is not None and "20 workers for 16 CPU cores" in message
+
+
+def test_advice_is_repeated_only_after_a_while(caplog) -> None:
+    advisor = saturation.Advisor(every_s=60)
+    found = [("loader-cpu-bound", "add workers")]
+    with caplog.at_level("WARNING"):
+        assert advisor.consider(found) == ["loader-cpu-bound"]
+        assert advisor.consider(found) == []  # not again at every log interval
+    advisor.last["loader-cpu-bound"] -= 61
+    assert advisor.consider(found) == ["loader-cpu-bound"]
+
+
+SPINNING_DATA = '''
+import time
+import torch
+from torch.utils.data import Dataset
+
+
+class Spinning(Dataset):
+    """Random-free images whose loading keeps a core busy for `seconds` each."""
+
+    def __init__(self, size, seconds):
+        self.size, self.seconds = size, seconds
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            pass
+        return torch.full((1, 8, 8), index % 251, dtype=torch.uint8), index % 2
+
+
+def spinning(*, root, seconds=0.01):
+    return {"train": Spinning(512, seconds), "eval": Spinning(64, 0.0),
+            "num_classes": 2, "input_shape": (1, 8, 8)}
+'''
+
+
+@pytest.mark.e2e
+def test_a_cpu_bound_loader_and_a_crowded_node_are_reported(tmp_path) -> None:
+    """Forced on this CPU: loader workers that spin for every sample (the data wait is most
+    of the step) get the advice to add workers, with their CPU use in the rows; more workers
+    than cores get the starvation warning at start-up."""
+    (tmp_path / "spinning_data.py").write_text(SPINNING_DATA)
+    args = [
+        "--data.factory=spinning_data:spinning",
+        "--model.widths=4,8",
+        "--data.batch_size=16",
+        "--log.every_steps=4",
+        "--train.max_steps=16",
+        "--log.tensorboard=false",
+        "--log.mfu=false",
+    ]
+    env = {"PYTHONPATH": str(tmp_path)}
+    one = launch(None, f"--run.dir={tmp_path / 'one'}", *args, "--data.num_workers=1", env=env)
+    assert one.returncode == 0, one.output[-4000:]
+    assert "loader workers per rank are CPU-bound" in one.output
+    assert "add workers (data.num_workers" in one.output
+    last = rows(tmp_path / "one", "train")[-1]
+    assert last["data_wait_frac"] > 0.5 and last["cpu_loader_worker_frac_median"] > 0.8
+    assert last["cpu_trainer_cores_max"] < last["cpu_loader_cores_max"]
+    cores = saturation.available_cores()
+    crowded = launch(
+        2, f"--run.dir={tmp_path / 'two'}", *args, f"--data.num_workers={cores}", env=env
+    )
+    assert crowded.returncode == 0, crowded.output[-4000:]
+    assert f"are {2 * cores} workers for {cores} CPU cores" in crowded.output
+    assert crowded.output.count("workers starve each other") == 1  # once per node
