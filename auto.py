@@ -83,15 +83,24 @@ def loader(setting: str, dataset: str, in_memory_numel: int | None, device: torc
     return "device" if in_memory_numel < free // 4 else "dataloader"
 
 
-def decode(setting: str, image_folder: bool, device: torch.device) -> str:
-    """data.decode: auto = device for an image folder on a CUDA GPU whose batched JPEG decoder
-    works (checked on a test image; a warning says why not otherwise), workers elsewhere: a
-    CPU's cores decode in parallel in the loader workers. "none" for datasets in memory."""
+def decode(setting: str, image_folder: bool, device: torch.device, jpeg_share: float = 1.0) -> str:
+    """data.decode: auto = device for an image folder of JPEG files (`jpeg_share`, the share of
+    its training files named .jpg or .jpeg, at least 90%: other formats decode on the CPU in
+    the training process on that path) on a CUDA GPU whose batched JPEG decoder works (checked
+    on a test image; a warning says why not otherwise); workers elsewhere, where a CPU's cores
+    decode in parallel in the loader workers. "none" for datasets in memory."""
     if not image_folder:
         return "none"
     if setting != "auto":
         return setting
     if device.type != "cuda":
+        return "workers"
+    if jpeg_share < 0.9:
+        log.info(
+            "data.decode=auto: decoding in the loader workers; %.0f%% of the training images are "
+            "not JPEG files, which the GPU does not decode",
+            100 * (1 - jpeg_share),
+        )
         return "workers"
     import imagefolder
 
@@ -145,7 +154,9 @@ def _spelled(value: Any) -> str:
     return str(value)
 
 
-def resolve(cfg: Config, info: DistInfo, in_memory_numel: int | None) -> Auto:
+def resolve(
+    cfg: Config, info: DistInfo, in_memory_numel: int | None, jpeg_share: float = 1.0
+) -> Auto:
     """Every setting for this rank's device; `in_memory_numel` is the training set's element
     count when it is held in memory as one tensor (data.in_memory_numel), else None. The
     backend is the one `distributed.setup` chose with `backend` above."""
@@ -157,6 +168,8 @@ def resolve(cfg: Config, info: DistInfo, in_memory_numel: int | None) -> Auto:
         channels_last=channels_last(cfg.model.channels_last, device),
         optimizer_impl=optimizer_impl(cfg.optim.impl, device),
         loader=loader(cfg.data.loader, cfg.data.source, in_memory_numel, device),
-        decode=decode(cfg.data.decode, cfg.data.source == "data.dataset=imagefolder", device),
+        decode=decode(
+            cfg.data.decode, cfg.data.source == "data.dataset=imagefolder", device, jpeg_share
+        ),
         progress=progress(cfg.log.progress),
     )

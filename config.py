@@ -519,6 +519,10 @@ class LogConfig(_Section):
     mfu: bool = True
     """count the model's FLOPs (torch.utils.flop_counter) and time a matmul
     at start-up to log achieved TFLOP/s and model FLOP utilisation"""
+    nvtx: bool = False
+    """NVTX ranges for Nsight Systems: data wait, forward/backward,
+    optimizer, each gradient all-reduce bucket, evaluation and checkpoint
+    (README "Profiling with Nsight Systems")"""
     resources: bool = True
     """CPU use of each training process and of its loader workers, GPU
     utilisation (with nvidia-ml-py) and memory in train rows (min, median

@@ -663,6 +663,15 @@ class Encoded(Dataset):
         return (*self.folder.encoded_item(in_folder), index)
 
 
+def jpeg_share(dataset: Dataset) -> float:
+    """The share of an image folder's files named .jpg or .jpeg (1.0 for other datasets)."""
+    folder = folder_of(dataset)
+    if folder is None or not folder.samples:
+        return 1.0
+    jpegs = sum(path.lower().endswith((".jpg", ".jpeg")) for path, _ in folder.samples)
+    return jpegs / len(folder.samples)
+
+
 def folder_of(dataset: Dataset) -> imagefolder.ImageFolder | None:
     """The ImageFolder a dataset is, or is a Subset of; else None."""
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
@@ -755,7 +764,8 @@ def build_train_loader(
         return DeviceLoader(base, sampler, cfg, seed, info.device)
     options = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": True}
     options |= _loader_options(cfg, info, seed)
-    if decode == "device":
+    if decode == "device":  # the decoders read pageable memory: nothing to pin
+        options["pin_memory"] = False
         encoded = DataLoader(Encoded(splits.train), collate_fn=_collate_encoded, **options)
         return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
     return DataLoader(dataset, **options)
@@ -770,6 +780,7 @@ def build_eval_loader(
     options = {"batch_size": cfg.eval_batch_size, "sampler": sampler}
     options |= _loader_options(cfg, info, seed)
     if decode == "device":
+        options["pin_memory"] = False
         encoded = DataLoader(Encoded(splits.eval), collate_fn=_collate_encoded, **options)
         return DecodingLoader(encoded, seed, False, info.device, train=False)
     return DataLoader(splits.eval, **options)

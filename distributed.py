@@ -344,6 +344,8 @@ def check_same_weights(module: nn.Module, what: str) -> None:
     """Collective: ConfigError on every rank, naming the ranks, unless every rank's module holds
     the same weights after `what` (a file read on each node, which nodes may hold in different
     versions)."""
+    if not _active() or dist.get_world_size() == 1:
+        return
     digests = all_gather_object(weights_digest(module))
     if len(set(digests)) > 1:
         groups: dict[str, list[int]] = {}
@@ -369,8 +371,9 @@ class AllReduceTimer:
     approximate.
     """
 
-    def __init__(self, inner: Any | None = None) -> None:
+    def __init__(self, inner: Any | None = None, nvtx: bool = False) -> None:
         self.inner = inner or default_hooks.allreduce_hook
+        self.nvtx = nvtx  # a range per bucket, from its hand-over to its completion callback
         self.first_start: float | None = None
         self.last_end = 0.0
 
@@ -381,8 +384,14 @@ class AllReduceTimer:
         if self.first_start is None:
             self.first_start = now
 
+        span = None
+        if self.nvtx:
+            span = torch.cuda.nvtx.range_start(f"gradient all-reduce, bucket {bucket.index()}")
+
         def done(fut: torch.futures.Future) -> torch.Tensor:
             self.last_end = time.perf_counter()
+            if span is not None:
+                torch.cuda.nvtx.range_end(span)
             return fut.value()
 
         return self.inner(state, bucket).then(done)
@@ -395,7 +404,9 @@ class AllReduceTimer:
         return first, span
 
 
-def wrap_model(model: nn.Module, info: DistInfo, cfg: DistConfig | None = None) -> nn.Module:
+def wrap_model(
+    model: nn.Module, info: DistInfo, cfg: DistConfig | None = None, nvtx: bool = False
+) -> nn.Module:
     """DistributedDataParallel around `model` when there is more than one rank, with the
     bucket, view, static-graph and gradient-compression settings of `cfg`, and an
     `AllReduceTimer` as its communication hook (`model.allreduce_timer`)."""
@@ -415,7 +426,7 @@ def wrap_model(model: nn.Module, info: DistInfo, cfg: DistConfig | None = None) 
         "fp16": default_hooks.fp16_compress_hook,
         "bf16": default_hooks.bf16_compress_hook,
     }[cfg.grad_compression]
-    timer = AllReduceTimer(compression)
+    timer = AllReduceTimer(compression, nvtx)
     ddp.register_comm_hook(state=None, hook=timer.hook)
     ddp.allreduce_timer = timer
     return ddp

@@ -41,6 +41,7 @@ warnings.filterwarnings("ignore", "The image decoding and encoding", Deprecation
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 # Images torchvision.io cannot decode (torchvision's ImageFolder reads them through PIL).
 OTHER_IMAGES = (".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".avif", ".heic")
+DECODE_CHUNK = 32  # images decoded at once on the device (decode_batch)
 RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range (torchvision's default)
 
 
@@ -75,7 +76,7 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
                 f"{', '.join(EXTENSIONS)}, any case)"
             )
         samples += [(path, label) for path in found]
-    if unread:
+    if unread and os.environ.get("RANK", "0") == "0":  # every rank scans: one says it
         log.warning(
             "%s: %d image files in formats this pipeline does not read are left out (%s%s); "
             "convert them to JPEG or PNG to train on them",
@@ -122,6 +123,16 @@ def is_jpeg(encoded: torch.Tensor) -> bool:
     return encoded.numel() >= 3 and encoded[:3].tolist() == [0xFF, 0xD8, 0xFF]
 
 
+def is_complete_jpeg(encoded: torch.Tensor) -> bool:
+    """A JPEG whose end-of-image marker (FF D9) is in its last KiB (after it, cameras may
+    append padding). nvJPEG decodes a truncated file without an error, into grey pixels;
+    libjpeg-turbo through torchvision refuses it, so such files go to the CPU decoder."""
+    if not is_jpeg(encoded):
+        return False
+    tail = encoded[-1024:]
+    return bool(((tail[:-1] == 0xFF) & (tail[1:] == 0xD9)).any())
+
+
 def decode_many(
     encoded: Sequence[torch.Tensor], paths: Sequence[str], device: torch.device
 ) -> list[torch.Tensor | UnreadableImage]:
@@ -154,6 +165,7 @@ def decode_many(
 
 
 _DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_FALLBACK_LOGGED: list[bool] = []
 
 
 def _decode_stream(device: torch.device) -> torch.cuda.Stream:
@@ -168,13 +180,24 @@ def _decode_many(
     from torchvision import io
 
     out: list[torch.Tensor | UnreadableImage | None] = [None] * len(encoded)
-    jpegs = [i for i, data in enumerate(encoded) if is_jpeg(data)]
+    jpegs = [i for i, data in enumerate(encoded) if is_complete_jpeg(data)]
     if jpegs:
         try:
             decoded = io.decode_jpeg(
                 [encoded[i] for i in jpegs], mode=io.ImageReadMode.RGB, device=device
             )
-        except RuntimeError:  # one bad file fails the call: each image on its own below
+        except RuntimeError as err:  # one bad file fails the call: each image on its own below
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # nothing of the failed call still writes
+                if "out of memory" in str(err) or "CUDA error" in str(err):
+                    raise
+            if not _FALLBACK_LOGGED:
+                _FALLBACK_LOGGED.append(True)
+                log.warning(
+                    "the batched JPEG decoder refused a batch (%s); its images are decoded one by "
+                    "one on the CPU (said once)",
+                    err,
+                )
             decoded = []
         for i, image in zip(jpegs, decoded, strict=False):
             out[i] = image
@@ -200,6 +223,8 @@ def device_decoding_problem(device: torch.device) -> str | None:
         stream = _decode_stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(stream):  # a no-op for None
             got = io.decode_jpeg([encoded], mode=io.ImageReadMode.RGB, device=device)[0].cpu()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # an asynchronous error shows here, not later
     except Exception as err:  # no nvJPEG in this build, a driver error, ...
         return f"{type(err).__name__}: {err}"
     if got.shape != expected.shape or got.dtype != expected.dtype:
@@ -326,14 +351,18 @@ class ImageFolder(Dataset):
         `augmented_item` / `__getitem__` when `device` is the CPU."""
         labels = labels.clone()
         views = []
-        for i, image in enumerate(decode_many(encoded, paths, device)):
-            if isinstance(image, UnreadableImage):
-                if labels[i] != SKIPPED:  # not already skipped when its bytes were read
-                    self._skip_or_raise(image)
-                    labels[i] = SKIPPED
-                views.append(self._blank(device))
-            elif keys is None:
-                views.append(self.eval_view(image))
-            else:
-                views.append(self.train_view(image, keys[i]))
+        # In chunks: full-size images are large (a 12-megapixel photo is 36 MB as RGB), and a
+        # chunk's are freed once cropped, before the next chunk is decoded.
+        for start in range(0, len(encoded), DECODE_CHUNK):
+            chunk = slice(start, start + DECODE_CHUNK)
+            for i, image in enumerate(decode_many(encoded[chunk], paths[chunk], device), start):
+                if isinstance(image, UnreadableImage):
+                    if labels[i] != SKIPPED:  # not already skipped when its bytes were read
+                        self._skip_or_raise(image)
+                        labels[i] = SKIPPED
+                    views.append(self._blank(device))
+                elif keys is None:
+                    views.append(self.eval_view(image))
+                else:
+                    views.append(self.train_view(image, keys[i]))
         return torch.stack(views), labels

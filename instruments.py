@@ -38,12 +38,32 @@ from metrics import (
 log = logging.getLogger("train")
 
 
+class NvtxRange:
+    """One NVTX range at a time, moved from phase to phase (log.nvtx; else nothing). Process-
+    wide ranges (range_start/range_end), so that a range may end on another thread."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.current: int | None = None
+
+    def begin(self, name: str) -> None:
+        if self.enabled:
+            self.end()
+            self.current = torch.cuda.nvtx.range_start(name)
+
+    def end(self) -> None:
+        if self.current is not None:
+            torch.cuda.nvtx.range_end(self.current)
+            self.current = None
+
+
 class StepTimer:
     """The marks inside one optimizer step (see `Instruments.step`)."""
 
     def __init__(self, instruments: Instruments, step: int) -> None:
         self.instruments, self.step = instruments, step
         self.started = time.perf_counter()
+        instruments.nvtx.begin("data wait")
         self.data_wait_s = 0.0
         self.compute_mark: Any = None
         self.update_mark: Any = None
@@ -54,6 +74,7 @@ class StepTimer:
         """The step's micro-batches are on the device: forward and backward begin."""
         self.data_wait_s = time.perf_counter() - self.started
         self.instruments.watchdog.beat(self.step, "forward/backward")
+        self.instruments.nvtx.begin("forward/backward")
         self.compute_mark = self.instruments.clock.mark()
 
     def agreed(self, stats: StepStats, skipped: bool) -> None:
@@ -61,6 +82,7 @@ class StepTimer:
         clock = self.instruments.clock
         clock.add("fwd_bwd", self.compute_mark, clock.mark())
         self.stats, self.skipped = stats, skipped
+        self.instruments.nvtx.begin("optimizer")
         self.update_mark = clock.mark()
 
 
@@ -81,6 +103,7 @@ class Instruments:
         self.cfg, self.info, self.writer, self.position, self.lr = cfg, info, writer, position, lr
         self.usage = saturation.Usage(info.device, worker_pids) if cfg.log.resources else None
         self.advisor = saturation.Advisor()
+        self.nvtx = NvtxRange(cfg.log.nvtx)
         self.meter = TrainMeter(info.device, info.world_size)
         self.clock = PhaseClock(info.device)
         every = cfg.log.straggler_every_steps if info.world_size > 1 else 0
@@ -142,12 +165,23 @@ class Instruments:
         self.watchdog.beat(self.position.step, name)
 
     @contextlib.contextmanager
+    def nvtx_range(self, name: str) -> Iterator[None]:
+        """An NVTX range around the block (log.nvtx)."""
+        outer = NvtxRange(self.cfg.log.nvtx)
+        outer.begin(name)
+        try:
+            yield
+        finally:
+            outer.end()
+
+    @contextlib.contextmanager
     def step(self) -> Iterator[StepTimer]:
         """One optimizer step: call `loaded()` once the batches are in, `agreed(stats, skip)`
         after the verdict; at the end come the meter, the log row and the reports."""
         timer = StepTimer(self, self.position.step)
         self.watchdog.beat(timer.step, "data loading")
         yield timer
+        self.nvtx.end()
         self.clock.add("optimizer", timer.update_mark, self.clock.mark())
         first_bucket, allreduce_s = (
             self.allreduce_timer.take() if self.allreduce_timer else (None, 0.0)

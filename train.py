@@ -92,7 +92,9 @@ class Trainer:
         # After preflight, so that a run.dir differing between nodes is reported as a config
         # mismatch rather than as a run dir that is not shared.
         check_run_dir_shared(info, self.run_dir)
-        self.auto = auto.resolve(cfg, info, data.in_memory_numel(splits.train))
+        self.auto = auto.resolve(
+            cfg, info, data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
+        )
         log.info("settings: %s", self.auto.describe(cfg))
         self.train_loader = data.build_train_loader(
             splits, cfg.data, info, cfg.train.seed, self.auto.loader, self.auto.decode
@@ -136,7 +138,7 @@ class Trainer:
             self.checkpoints.register(name, part)
         if self.ema is not None:  # after the model: a checkpoint without it starts it there
             self.checkpoints.register("ema", self.ema, ("train.ema_decay", self.ema.restart))
-        self.model = distributed.wrap_model(model, info, cfg.dist)
+        self.model = distributed.wrap_model(model, info, cfg.dist, nvtx=cfg.log.nvtx)
         if self.auto.compile:
             self.model = torch.compile(self.model)
         self.buffers = engine.BufferSnapshot(self.model)
@@ -350,9 +352,10 @@ class Trainer:
                 yield self.preprocess(images, labels)
 
         evaluated = self.model if self.ema is None else self.ema.for_evaluation()
-        result = engine.evaluate(
-            evaluated, batches(), self.info.device, self.amp_dtype, self.cfg.data.eval_flip
-        )
+        with self.instruments.nvtx_range("evaluation"):
+            result = engine.evaluate(
+                evaluated, batches(), self.info.device, self.amp_dtype, self.cfg.data.eval_flip
+            )
         self.instruments.log_eval(result, self.ledger)
         if result.num_samples < self.num_eval:
             log.warning(
@@ -370,7 +373,10 @@ class Trainer:
         """Checkpoint the current step (a collective: rank 0 writes, every rank learns how it
         went). ckpt.async_save writes in the background unless `wait`."""
         self.instruments.phase("checkpointing")
-        self.checkpoints.save(self.position.step, accuracy, pending_eval=pending_eval, wait=wait)
+        with self.instruments.nvtx_range("checkpoint"):
+            self.checkpoints.save(
+                self.position.step, accuracy, pending_eval=pending_eval, wait=wait
+            )
 
     def stop_if(self, signal_name: str | None) -> None:
         """After a preemption signal: checkpoint where every rank stopped, tell the launcher,

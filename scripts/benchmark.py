@@ -453,7 +453,9 @@ def measure_loader(
     Here the workers have the cores to themselves; during training they share them with the
     ranks, so the headroom a run sees on a small machine is lower.
     """
-    loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed)
+    image_folder = cfg.data.source == "data.dataset=imagefolder"
+    decode = auto.decode(cfg.data.decode, image_folder, info.device, data.jpeg_share(splits.train))
+    loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed, decode=decode)
     preprocess = data.Preprocess(
         splits, info.device, auto.channels_last(cfg.model.channels_last, info.device)
     )

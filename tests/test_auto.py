@@ -81,3 +81,21 @@ def test_describe_names_each_setting_and_what_auto_became() -> None:
         "data.decode=auto->none",
         "log.progress=auto->off",
     ]
+
+
+def test_decoding_on_a_gpu_is_chosen_only_where_it_pays_and_works(monkeypatch, caplog) -> None:
+    """The CUDA branch of auto.decode, with the start-up check's verdict given: a folder of
+    JPEG files on a decoder that works -> device; a failing check or a folder of mostly other
+    formats -> the workers, saying why."""
+    import imagefolder
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(imagefolder, "device_decoding_problem", lambda device: None)
+    assert auto.decode("auto", True, gpu, jpeg_share=1.0) == "device"
+    with caplog.at_level("INFO"):
+        assert auto.decode("auto", True, gpu, jpeg_share=0.5) == "workers"
+    assert "50% of the training images are not JPEG files" in caplog.text
+    monkeypatch.setattr(imagefolder, "device_decoding_problem", lambda device: "no nvJPEG")
+    with caplog.at_level("WARNING"):
+        assert auto.decode("auto", True, gpu) == "workers"
+    assert "decoding in the loader workers; cuda:0: no nvJPEG" in caplog.text

@@ -50,9 +50,10 @@ def test_batched_gpu_decoding_matches_the_cpu_decoder(tmp_path) -> None:
     """nvJPEG against libjpeg-turbo on real JPEG files of several sizes (one grayscale): the
     start-up check passes, auto picks it, and every training crop is within the rounding
     JPEG decoders and GPU resizing differ by."""
-    from test_imagefolder import folder, mixed_folder
+    from test_imagefolder import CPU, folder, mixed_folder
 
     import data
+    import imagefolder
 
     cuda = torch.device("cuda", 0)
     assert auto.decode("auto", True, cuda) == "device"
@@ -65,3 +66,10 @@ def test_batched_gpu_decoding_matches_the_cpu_decoder(tmp_path) -> None:
     cpu, _ = images.decode_batch(encoded, paths, torch.tensor(labels), keys, torch.device("cpu"))
     difference = (ours.cpu().float() - cpu.float()).abs()
     assert ours.device == cuda and difference.mean() < 2 and difference.max() < 40
+    evaluated, _ = images.decode_batch(encoded, paths, torch.tensor(labels), None, cuda)
+    reference, _ = images.decode_batch(encoded, paths, torch.tensor(labels), None, CPU)
+    assert (evaluated.cpu().float() - reference.float()).abs().mean() < 2
+    # A truncated JPEG is named on the GPU path as on the CPU's, not decoded to grey.
+    cut = encoded[0][: len(encoded[0]) // 2]
+    with pytest.raises(imagefolder.UnreadableImage, match=paths[0]):
+        images.decode_batch([cut], [paths[0]], torch.tensor([0]), None, cuda)

@@ -223,6 +223,8 @@ def test_device_decoding_names_or_skips_a_corrupt_file_in_a_batch(tmp_path, capl
         images = folder(tmp_path, size=16, skip=skip)
         items = [images.encoded_item(i) for i in range(3)]
         encoded, paths, labels = ([item[k] for item in items] for k in range(3))
+        # The truncated file never reaches the batched call (nvJPEG would decode it to grey).
+        assert [imagefolder.is_complete_jpeg(e) for e in encoded] == [True, False, False]
         if not skip:
             with pytest.raises(imagefolder.UnreadableImage, match=r"cannot read image .*a/1\.jpg"):
                 images.decode_batch(encoded, paths, torch.tensor(labels), None, CPU)

@@ -148,9 +148,44 @@ def test_a_cpu_bound_loader_and_a_crowded_node_are_reported(tmp_path) -> None:
     assert last["data_wait_frac"] > 0.5 and last["cpu_loader_worker_frac_median"] > 0.8
     assert last["cpu_trainer_cores_max"] < last["cpu_loader_cores_max"]
     cores = saturation.available_cores()
+    nvtx = "--log.nvtx=true"  # NVTX calls for real (without Nsight attached they cost nothing)
     crowded = launch(
-        2, f"--run.dir={tmp_path / 'two'}", *args, f"--data.num_workers={cores}", env=env
+        2, f"--run.dir={tmp_path / 'two'}", *args, f"--data.num_workers={cores}", nvtx, env=env
     )
     assert crowded.returncode == 0, crowded.output[-4000:]
     assert f"are {2 * cores} workers for {cores} CPU cores" in crowded.output
     assert crowded.output.count("workers starve each other") == 1  # once per node
+
+
+def test_nvtx_ranges_follow_the_phases_of_a_step(monkeypatch) -> None:
+    """data wait -> forward/backward -> optimizer, each range closed before the next opens,
+    and none left open; nothing at all when log.nvtx is off."""
+    import instruments
+
+    calls: list[tuple[str, object]] = []
+    ids = iter(range(100))
+
+    def start(name: str) -> int:
+        calls.append(("start", name))
+        return next(ids)
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_start", start)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_end", lambda i: calls.append(("end", i)))
+    ranges = instruments.NvtxRange(enabled=True)
+    for name in ("data wait", "forward/backward", "optimizer"):
+        ranges.begin(name)
+    ranges.end()
+    ranges.end()  # nothing open: no call
+    assert calls == [
+        ("start", "data wait"),
+        ("end", 0),
+        ("start", "forward/backward"),
+        ("end", 1),
+        ("start", "optimizer"),
+        ("end", 2),
+    ]
+    calls.clear()
+    off = instruments.NvtxRange(enabled=False)
+    off.begin("data wait")
+    off.end()
+    assert calls == []
