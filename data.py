@@ -438,8 +438,7 @@ class Augmented(Dataset):
         h = _mix64(self.seed, epoch, index)
         folder = folder_of(self.base)
         if folder is not None:  # its own training crop and flip
-            in_folder = self.base.indices[index] if isinstance(self.base, Subset) else index
-            return (*folder.augmented_item(in_folder, h), index)
+            return (*folder.augmented_item(folder_index(self.base, index), h), index)
         image, label = self.base[index]
         if self.padding:
             span = 2 * self.padding + 1
@@ -659,8 +658,7 @@ class Encoded(Dataset):
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, str, int, int]:
         index = key[1] if isinstance(key, tuple) else key
-        in_folder = self.base.indices[index] if isinstance(self.base, Subset) else index
-        return (*self.folder.encoded_item(in_folder), index)
+        return (*self.folder.encoded_item(folder_index(self.base, index)), index)
 
 
 def jpeg_share(dataset: Dataset) -> float:
@@ -676,6 +674,11 @@ def folder_of(dataset: Dataset) -> imagefolder.ImageFolder | None:
     """The ImageFolder a dataset is, or is a Subset of; else None."""
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     return base if isinstance(base, imagefolder.ImageFolder) else None
+
+
+def folder_index(dataset: Dataset, index: int) -> int:
+    """Sample `index` of `dataset` (a folder or a Subset of one) as an index into the folder."""
+    return dataset.indices[index] if isinstance(dataset, Subset) else index
 
 
 def _collate_encoded(
@@ -798,12 +801,15 @@ def set_epoch(
     sampler.set_epoch(epoch, consumed)
 
 
+def _torch_loader(loader: DataLoader | DeviceLoader | DecodingLoader) -> Any:
+    """The torch DataLoader that holds a loader's workers (a DeviceLoader has none)."""
+    return loader.loader if isinstance(loader, DecodingLoader) else loader
+
+
 def worker_pids(loader: DataLoader | DeviceLoader | DecodingLoader) -> list[int]:
     """The process ids of a loader's running workers (none before its first iterator, none
     for the device loader)."""
-    if isinstance(loader, DecodingLoader):
-        loader = loader.loader
-    iterator = getattr(loader, "_iterator", None)
+    iterator = getattr(_torch_loader(loader), "_iterator", None)
     workers = getattr(iterator, "_workers", None) or []
     return [w.pid for w in workers if w.pid is not None and w.is_alive()]
 
@@ -812,12 +818,11 @@ def close_loader(loader: DataLoader | DeviceLoader | DecodingLoader) -> None:
     """Stop a loader's persistent workers now. Otherwise they stop when the loader is garbage
     collected, and an interpreter that exits first waits for them forever (multiprocessing
     joins its children at exit, while the workers wait for their parent to tell them)."""
-    if isinstance(loader, DecodingLoader):
-        loader = loader.loader
-    iterator = getattr(loader, "_iterator", None)
+    torch_loader = _torch_loader(loader)
+    iterator = getattr(torch_loader, "_iterator", None)
     if iterator is not None:
         iterator._shutdown_workers()
-        loader._iterator = None  # type: ignore[union-attr]
+        torch_loader._iterator = None
 
 
 class Preprocess:
