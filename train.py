@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # a bad command line fails in a second, before torch is imported
+    import contextlib
+    import os
     import signal
 
     from config import ConfigError, parse_args
@@ -21,6 +23,12 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
             _early_cfg = parse_args()
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
+            # Under torchrun a worker's 2 becomes torchrun's 1, which schedulers retry: tell
+            # the launcher as report_to_launcher (below) does.
+            _marker = os.environ.get("TRAIN_BAD_INPUT_MARKER")
+            if _marker and os.environ.get("LOCAL_RANK", "0") == "0":
+                with contextlib.suppress(OSError), open(_marker, "w") as _f:
+                    _f.write(f"bad input: {err}\n")
             sys.exit(2)
         # Stop signals that arrive before the training loop's handler is installed (torch's
         # import alone takes seconds, and a scheduler may signal at any time): that handler

@@ -262,3 +262,24 @@ def test_bad_input_under_the_launcher_exits_2_without_burning_restarts(tmp_path)
     assert proc.returncode == 2, output[-3000:]
     assert str(missing) in output and "retrying cannot help" in output
     assert output.count("not starting") == 0 and output.count("world size") == 0
+
+
+@pytest.mark.parametrize("launcher", ["train_single_node.sh", "launch_multinode.sh"])
+def test_a_bad_command_line_under_the_launcher_exits_2(tmp_path, launcher) -> None:
+    """A value the config rejects fails in train.py's first lines, before torch is imported:
+    that path reports bad input to the launcher as well, so the job exits 2 (not torchrun's 1,
+    which a scheduler would retry), naming the field and the value, and writes nothing."""
+    cmd, env = launcher_command(launcher)
+    env["MAX_RESTARTS"] = "3"
+    proc = subprocess.run(
+        [*cmd, f"--run.dir={tmp_path / 'run'}", *JOB, "--train.epochs=many"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert "train.epochs" in output and "many" in output and "retrying cannot help" in output
+    assert not (tmp_path / "run").exists()
