@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Install what this project needs, idempotently: Fashion-MNIST and Slurm from Debian (when root
-# and missing), uv, and the locked Python environment in .venv (uv.lock: the same versions on
-# every node). Safe to run again; each step is skipped when already done.
+# Install what this project needs, idempotently: Fashion-MNIST, Slurm and Podman from Debian
+# (when root and missing), uv, and the locked Python environment in .venv (uv.lock: the same
+# versions on every node). Safe to run again; each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -38,6 +38,23 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
     done
   else
     say "Slurm is not installed and this is not a root Debian shell: the Slurm tests skip"
+  fi
+fi
+
+# Podman, runc and debootstrap for the container tests (tests/multinode/test_container.py):
+# the image is built from a base debootstrapped from the Debian archive (no registry needed).
+# Podman runs no daemon, so nothing is left running; runc because crun refuses hosts whose
+# cgroups are in hybrid mode.
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null \
+   || ! command -v debootstrap >/dev/null; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    say "installing Debian's podman, runc and debootstrap (the container tests)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      podman runc debootstrap >/dev/null
+  else
+    say "podman or debootstrap is missing and this is not a root Debian shell: the container" \
+        "tests skip"
   fi
 fi
 

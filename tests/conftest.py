@@ -12,9 +12,9 @@ import data  # noqa: E402
 
 # The tiers (markers in pyproject.toml). Unmarked tests form the fast tier: no process group and
 # no training run (a few start a quick helper process: bash on a script, DataLoader workers, a
-# config error from train.py). spawn, e2e, multinode and slurm tests are `slow` as well, so that
-# `-m "not slow"` is exactly the fast tier.
-SLOW_TIERS = ("spawn", "e2e", "multinode", "slurm")
+# config error from train.py). spawn, e2e, multinode, slurm and container tests are `slow` as
+# well, so that `-m "not slow"` is exactly the fast tier.
+SLOW_TIERS = ("spawn", "e2e", "multinode", "slurm", "container")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

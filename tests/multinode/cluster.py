@@ -25,9 +25,32 @@ class Cluster:
     prefix: str
     num_hosts: int
 
-    def command(self, node: int, env: dict[str, str], argv: list[str]) -> list[str]:
+    def command(
+        self, node: int, env: dict[str, str], argv: list[str], image: list[str] | None = None
+    ) -> list[str]:
         pairs = [f"{key}={value}" for key, value in env.items()]
-        return ["bash", str(SCRIPT), "exec", str(node), "env", *pairs, *argv]
+        if image is None:
+            return ["bash", str(SCRIPT), "exec", str(node), "env", *pairs, *argv]
+        # A container on this host: `image` is the engine's run command up to and including
+        # the image name, with the host's network and host name. nsenter, not `ip netns exec`:
+        # that one remounts /sys, hiding the cgroup file systems the container runtime needs.
+        run, name = image[:-1], image[-1]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.prefix}-node{node}",
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            f"node{node}",
+            *run,
+            "--network=host",
+            "--uts=host",
+            *[f"--env={pair}" for pair in pairs],
+            name,
+            *argv,
+        ]
 
     def launch(
         self,
@@ -38,12 +61,14 @@ class Cluster:
         timeout: float = 240,
         private_dirs: dict[int, str] | None = None,
         hostnames: dict[int, str] | None = None,
+        image: list[str] | None = None,
         **overrides: str,
     ) -> list[subprocess.CompletedProcess]:
         """Run scripts/launch_multinode.sh on `nodes` as a user would on each machine.
 
         `private_dirs` maps a node to a directory that gets a tmpfs of its own on that node:
         a node-local disk where the others have shared storage. `hostnames` renames nodes.
+        `image` runs the script in a container instead (see `command`).
         """
         procs, logs = [], []
         for node_rank, node in enumerate(nodes):
@@ -71,7 +96,7 @@ class Cluster:
             logs.append(tempfile.TemporaryFile(mode="w+"))  # noqa: SIM115 (closed below)
             procs.append(
                 subprocess.Popen(
-                    self.command(node, env, argv),
+                    self.command(node, env, argv, image),
                     cwd=REPO,
                     stdout=logs[-1],
                     stderr=subprocess.STDOUT,

@@ -1,0 +1,298 @@
+"""The training image (Containerfile), built once per test run and run for real.
+
+The base image comes from the Debian archive alone (scripts/container/build_base.sh: no
+registry), the image from scripts/container/build.sh with Podman. Each job runs read-only, as
+a user that is not root, with only its run dir mounted, and is compared with the same job run
+outside the image (same lock, same machine): equal weights, not just "it ran".
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from cluster import REPO, netns_cluster
+
+CAN_BUILD = (
+    os.geteuid() == 0
+    and shutil.which("podman") is not None
+    and shutil.which("debootstrap") is not None
+    and shutil.which("ip") is not None
+)
+pytestmark = [
+    pytest.mark.container,
+    pytest.mark.multinode,
+    # Under CI these must run (scripts/setup.sh installs podman and debootstrap): missing tools
+    # fail instead of skipping.
+    pytest.mark.skipif(
+        not CAN_BUILD and not os.environ.get("CI"),
+        reason="needs root, podman, debootstrap and iproute2",
+    ),
+]
+
+ENGINE_ENV = {**os.environ, "ENGINE": "podman"}
+DEFAULT_JOB = ["--train.max_steps=6", "--log.every_steps=2", "--log.tensorboard=false"]
+SYNTHETIC_JOB = [
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=1024",
+    "--data.synthetic_eval_size=300",
+    "--data.batch_size=32",
+    "--train.max_steps=6",
+    "--model.widths=8,16",
+    "--data.num_workers=0",
+    "--log.every_steps=2",
+    "--log.tensorboard=false",
+    "--dist.timeout_s=60",
+]
+
+
+def engine_options() -> list[str]:
+    """What scripts/container/engine.sh passes podman on this host (limits, runtime)."""
+    out = subprocess.run(
+        ["bash", "-c", 'source scripts/container/engine.sh && printf "%s\\n" "${ENGINE_OPTS[@]}"'],
+        cwd=REPO,
+        env=ENGINE_ENV,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [line for line in out.splitlines() if line]
+
+
+def image_ids() -> set[str]:
+    out = subprocess.run(
+        ["podman", "images", "--all", "--quiet", "--no-trunc"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return set(out.split())
+
+
+def extra_ca_certs(tmp: Path) -> dict[str, str]:
+    """The host's own CA certificates (Debian keeps local ones in /usr/local/share), passed to
+    the build as its explicit argument: some networks intercept HTTPS."""
+    certs = sorted(glob.glob("/usr/local/share/ca-certificates/**/*.crt", recursive=True))
+    if not certs:
+        return {}
+    bundle = tmp / "extra-ca.pem"
+    bundle.write_text("".join(Path(cert).read_text() for cert in certs))
+    return {"EXTRA_CA_CERTS": str(bundle)}
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Build the base and the image once for this module; remove both (and the build's
+    intermediate images) afterwards, however the tests end. DDP_TEST_IMAGE names an image
+    built already instead (while working on these tests)."""
+    if os.environ.get("DDP_TEST_IMAGE"):
+        yield os.environ["DDP_TEST_IMAGE"]
+        return
+    tag = uuid.uuid4().hex[:8]
+    base, name = f"localhost/ddp-test-base:{tag}", f"localhost/ddp-test:{tag}"
+    before = image_ids()
+    env = {**ENGINE_ENV, "BASE": base, **extra_ca_certs(tmp_path_factory.mktemp("ca"))}
+    try:
+        started = time.monotonic()
+        for script, arg in (("build_base.sh", base), ("build.sh", name)):
+            build = subprocess.run(
+                ["bash", f"scripts/container/{script}", arg],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+            assert build.returncode == 0, (
+                f"{script} failed:\n{build.stdout[-4000:]}\n{build.stderr[-4000:]}"
+            )
+            # Build times belong in the CI log: print past pytest's capture.
+            print(
+                f"\ntest_container: {script} took {time.monotonic() - started:.0f} s",
+                file=sys.__stderr__,
+                flush=True,
+            )
+        yield name
+    finally:
+        leftover = image_ids() - before
+        if leftover:
+            subprocess.run(["podman", "rmi", "--force", *leftover], capture_output=True)
+
+
+def run_prefix(run_root: Path, name: str = "", nproc: int | None = 2) -> list[str]:
+    """podman run, read-only (a tmpfs /tmp only), as uid 1000, with `run_root` as /runs."""
+    run_root.mkdir(parents=True, exist_ok=True)
+    run_root.chmod(0o777)  # writable for the container's user, which is not root
+    named = [f"--name={name}"] if name else []
+    return [
+        "podman",
+        "run",
+        "--rm",
+        *named,
+        *engine_options(),
+        "--read-only",
+        "--read-only-tmpfs=false",
+        "--tmpfs=/tmp",
+        "--user=1000:1000",
+        f"--volume={run_root}:/runs",
+        "--env=OMP_NUM_THREADS=1",
+        *([f"--env=NPROC_PER_NODE={nproc}"] if nproc else []),
+    ]
+
+
+def host_run(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The same job outside any container, the way the README runs it."""
+    env = {**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        ["bash", "scripts/train_single_node.sh", f"--run.dir={run_dir}", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, weights_only=True)["model"]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for key, value in wb.items():
+        assert torch.equal(wa[key], value), key
+
+
+def eval_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "accuracy", "num_samples")
+    return [{k: row[k] for k in keys} for row in rows if row["kind"] == "eval"]
+
+
+def test_default_command_trains_the_default_job_read_only_as_a_non_root_user(
+    image: str, tmp_path: Path
+) -> None:
+    """No command: the default job (configs/fashion_mnist.toml, Fashion-MNIST from the image),
+    2 ranks, into /runs/default. Then a bad override exits 2 naming it, and leaves the run dir
+    as it was."""
+    runs = tmp_path / "runs"
+    job = subprocess.run(
+        [*run_prefix(runs), image, *DEFAULT_JOB], capture_output=True, text=True, timeout=300
+    )
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    out = job.stdout + job.stderr
+    assert "world size 2" in out
+    run_dir = runs / "default"
+    assert (run_dir / "checkpoints" / "step_6.pt").is_file()
+    # The uid the job ran as owns what it wrote: nothing was written as root.
+    assert {p.stat().st_uid for p in run_dir.rglob("*")} == {1000}
+
+    reference = tmp_path / "host"
+    host_run(reference, "--config", "configs/fashion_mnist.toml", *DEFAULT_JOB)
+    assert_same_weights(
+        run_dir / "checkpoints" / "step_6.pt", reference / "checkpoints" / "step_6.pt"
+    )
+    assert eval_rows(run_dir) == eval_rows(reference) and len(eval_rows(run_dir)) == 1
+
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    bad = subprocess.run(
+        [*run_prefix(runs), image, "--train.epochs=many"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
+    assert "train.epochs" in bad.stderr and "many" in bad.stderr
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+def test_sigterm_to_the_container_checkpoints_and_the_next_container_resumes_exactly(
+    image: str, tmp_path: Path
+) -> None:
+    """`podman kill --signal TERM` signals the container's first process only, as a container
+    runtime stopping a pod does: tini passes it on, the job checkpoints and exits 75, and the
+    same command resumes to the weights of an uninterrupted run outside the image."""
+    runs, name = tmp_path / "runs", f"ddp-test-{uuid.uuid4().hex[:8]}"
+    job = [*SYNTHETIC_JOB, "--train.max_steps=200", "--run.dir=/runs/job"]
+    proc = subprocess.Popen(
+        [*run_prefix(runs, name), image, *job],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    signalled = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if " step 4 " in line and not signalled.is_set():
+                signalled.set()
+                subprocess.run(["podman", "kill", "--signal=TERM", name], capture_output=True)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["podman", "kill", name], capture_output=True)
+            proc.wait()
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert signalled.is_set(), out[-3000:]
+    assert code == 75, out[-3000:]
+    saved = sorted((runs / "job" / "checkpoints").glob("step_*.pt"))
+    assert saved and saved[-1].name != "step_200.pt", out[-3000:]
+
+    resumed = subprocess.run(
+        [*run_prefix(runs), image, *job], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    # It continued from the preemption checkpoint: no train row of the steps before it.
+    assert " step 2 epoch" not in resumed.stdout + resumed.stderr
+
+    reference = tmp_path / "host"
+    # The image's default command trains configs/fashion_mnist.toml (then the overrides).
+    host_run(
+        reference, "--config", "configs/fashion_mnist.toml", *SYNTHETIC_JOB, "--train.max_steps=200"
+    )
+    assert_same_weights(
+        runs / "job" / "checkpoints" / "step_200.pt", reference / "checkpoints" / "step_200.pt"
+    )
+
+
+def test_two_netns_hosts_each_running_the_image_train_one_job(image: str, tmp_path: Path) -> None:
+    """The image on two hosts (network namespaces with their own address and name), one rank
+    each, rendezvous across the bridge: the same weights as 2 ranks on one host without it."""
+    runs = tmp_path / "runs"
+    in_image = [*run_prefix(runs, nproc=None), image]
+    with netns_cluster(2) as cluster:
+        two_hosts = cluster.launch(
+            [0, 1], nproc=1, args=["--run.dir=/runs/two", *SYNTHETIC_JOB], image=in_image
+        )
+        one_host = cluster.launch(
+            [0], nproc=2, args=[f"--run.dir={tmp_path / 'one'}", *SYNTHETIC_JOB], port=29401
+        )
+    assert [r.returncode for r in two_hosts] == [0, 0] and one_host[0].returncode == 0
+    node0, node1 = (r.stdout for r in two_hosts)
+    assert "world size 2" in node0
+    assert "rank 0 = node0 local rank 0" in node0 and "rank 1 = node1 local rank 0" in node0
+    assert_same_weights(
+        runs / "two" / "checkpoints" / "step_6.pt", tmp_path / "one" / "checkpoints" / "step_6.pt"
+    )
