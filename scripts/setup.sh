@@ -2,6 +2,7 @@
 # Install what this project needs, idempotently: Fashion-MNIST, Slurm and Podman from Debian
 # (when root and missing), uv, and the locked Python environment in .venv (uv.lock: the same
 # versions on every node). Safe to run again; each step is skipped when already done.
+#   scripts/setup.sh [uv sync options, e.g. --group ray]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -67,5 +68,6 @@ if ! command -v uv >/dev/null; then
 fi
 
 # --frozen: install exactly uv.lock, never re-resolve; the interpreter must already exist.
-UV_PYTHON_DOWNLOADS=never uv sync --frozen --quiet
+# Arguments go to uv sync: `scripts/setup.sh --group ray` adds Ray (ray_train.py).
+UV_PYTHON_DOWNLOADS=never uv sync --frozen --quiet "$@"
 say "environment ready: $(.venv/bin/python -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__)')"

@@ -189,3 +189,33 @@ def test_trainjob_uses_the_runtime_and_a_run_dir_of_its_own() -> None:
     assert trainer["numProcPerNode"] == int(trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"])
     name = job["metadata"]["name"]
     assert [a for a in trainer["args"] if a.startswith("--run.dir=")] == [f"--run.dir=/runs/{name}"]
+
+
+def containers_of(value: Any) -> list[dict]:
+    """Every container spec (a dict with image and command) anywhere in a manifest."""
+    if isinstance(value, list):
+        return [c for item in value for c in containers_of(item)]
+    if not isinstance(value, dict):
+        return []
+    found = [value] if "image" in value and "command" in value else []
+    return found + [c for item in value.values() for c in containers_of(item)]
+
+
+@pytest.mark.parametrize("name", ["jobset.yaml", "trainjob.yaml", "pytorchjob.yaml"])
+def test_pods_run_the_image_read_only_with_a_writable_tmp(name) -> None:
+    """The Containerfile's image: its working directory, a read-only root file system, and
+    the three places it writes (run dir, /dev/shm, /tmp) mounted from volumes."""
+    workdir = [
+        line.split()[1]
+        for line in (REPO / "Containerfile").read_text().splitlines()
+        if line.startswith("WORKDIR ")
+    ]
+    text = (K8S / name).read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    containers = containers_of(docs)
+    assert containers
+    for container in containers:
+        assert container["workingDir"] == workdir[-1]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/runs", "/dev/shm", "/tmp"} <= mounts

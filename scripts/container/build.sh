@@ -12,6 +12,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 source ./engine.sh
 cd ../..
 image=${1:-ddp-pipeline:latest}
+if [[ -v BASE && -z $BASE ]]; then
+  echo "build.sh: BASE is set but empty (did build_base.sh fail?)" >&2; exit 2
+fi
 args=(--build-arg "BASE=${BASE:-debian:bookworm-slim}")
 if [[ -n ${EXTRA_CA_CERTS:-} ]]; then
   [[ -r $EXTRA_CA_CERTS ]] || { echo "build.sh: EXTRA_CA_CERTS=$EXTRA_CA_CERTS is not a readable file" >&2; exit 2; }
@@ -20,6 +23,7 @@ if [[ -n ${EXTRA_CA_CERTS:-} ]]; then
   args+=(--build-arg "EXTRA_CA_CERTS=$(cat "$EXTRA_CA_CERTS")")
 fi
 case $ENGINE in
-  podman|buildah) "$ENGINE" build "${ENGINE_OPTS[@]}" --network=host -f Containerfile -t "$image" "${args[@]}" . ;;
+  # --layers=false: no cached stage images, which would keep EXTRA_CA_CERTS in their history.
+  podman|buildah) "$ENGINE" build "${ENGINE_OPTS[@]}" --layers=false --network=host -f Containerfile -t "$image" "${args[@]}" . ;;
   docker) docker build --network=host -f Containerfile -t "$image" "${args[@]}" . ;;
 esac

@@ -17,7 +17,12 @@ command -v debootstrap >/dev/null \
   || { echo "build_base.sh: needs debootstrap (apt-get install debootstrap)" >&2; exit 2; }
 
 root=$(mktemp -d /var/tmp/bookworm-root.XXXXXX)
-trap 'rm -rf "$root"' EXIT
+container=""
+cleanup() {
+  rm -rf "$root" "$root.tar"
+  if [[ -n $container ]]; then buildah rm "$container" >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
 debootstrap --variant=minbase bookworm "$root" "$mirror" >&2
 # The same package sources as debian:bookworm-slim: updates and security fixes as well.
 cat > "$root/etc/apt/sources.list" <<SOURCES
@@ -27,11 +32,16 @@ deb $security bookworm-security main
 SOURCES
 chroot "$root" apt-get clean
 rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/log/*.log
+# debootstrap copies this machine's DNS settings and name in: an image must not carry them.
+: > "$root/etc/resolv.conf"
+rm -f "$root/etc/hostname"
 case $ENGINE in
   podman|docker) tar -C "$root" --numeric-owner -c . | "$ENGINE" import - "$image" >/dev/null ;;
-  buildah)
+  buildah)  # buildah add unpacks an archive, but reads none from standard input
+    tar -C "$root" --numeric-owner -cf "$root.tar" .
     container=$(buildah from scratch)
-    tar -C "$root" --numeric-owner -c . | buildah add "$container" - / >/dev/null
-    buildah commit --rm "$container" "$image" >/dev/null ;;
+    buildah add "$container" "$root.tar" / >/dev/null
+    buildah commit --rm "$container" "$image" >/dev/null
+    container="" ;;
 esac
 echo "$image"

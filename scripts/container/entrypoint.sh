@@ -8,6 +8,9 @@
 #   podman run ... ddp-pipeline bash scripts/launch_multinode.sh --run.dir=/runs/a ...
 set -euo pipefail
 cd /opt/ddp
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+  exec .venv/bin/python train.py --help
+fi
 if [[ $# -gt 0 && $1 != --* ]]; then
   exec "$@"
 fi

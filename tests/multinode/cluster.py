@@ -70,6 +70,8 @@ class Cluster:
         a node-local disk where the others have shared storage. `hostnames` renames nodes.
         `image` runs the script in a container instead (see `command`).
         """
+        # Those wrappers rename the host and mount as root, which a container user cannot.
+        assert image is None or not (private_dirs or hostnames), "not with image"
         procs, logs = [], []
         for node_rank, node in enumerate(nodes):
             env = {

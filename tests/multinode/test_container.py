@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -42,7 +43,13 @@ pytestmark = [
 ]
 
 ENGINE_ENV = {**os.environ, "ENGINE": "podman"}
-DEFAULT_JOB = ["--train.max_steps=6", "--log.every_steps=2", "--log.tensorboard=false"]
+# torch.compile on: the image must hold a compiler and /tmp must allow executables.
+DEFAULT_JOB = [
+    "--train.max_steps=6",
+    "--log.every_steps=2",
+    "--log.tensorboard=false",
+    "--train.compile=on",
+]
 SYNTHETIC_JOB = [
     "--data.dataset=synthetic",
     "--data.synthetic_train_size=1024",
@@ -104,19 +111,25 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     before = image_ids()
     env = {**ENGINE_ENV, "BASE": base, **extra_ca_certs(tmp_path_factory.mktemp("ca"))}
     try:
-        started = time.monotonic()
         for script, arg in (("build_base.sh", base), ("build.sh", name)):
-            build = subprocess.run(
+            started = time.monotonic()
+            # A session of its own: a timeout stops podman build and debootstrap too.
+            proc = subprocess.Popen(
                 ["bash", f"scripts/container/{script}", arg],
                 cwd=REPO,
                 env=env,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=1800,
+                start_new_session=True,
             )
-            assert build.returncode == 0, (
-                f"{script} failed:\n{build.stdout[-4000:]}\n{build.stderr[-4000:]}"
-            )
+            try:
+                out, err = proc.communicate(timeout=1800)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            assert proc.returncode == 0, f"{script} failed:\n{out[-4000:]}\n{err[-4000:]}"
             # Build times belong in the CI log: print past pytest's capture.
             print(
                 f"\ntest_container: {script} took {time.monotonic() - started:.0f} s",
@@ -130,11 +143,27 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             subprocess.run(["podman", "rmi", "--force", *leftover], capture_output=True)
 
 
-def run_prefix(run_root: Path, name: str = "", nproc: int | None = 2) -> list[str]:
-    """podman run, read-only (a tmpfs /tmp only), as uid 1000, with `run_root` as /runs."""
+STARTED: list[str] = []  # container names, removed after each test however it ends
+
+
+@pytest.fixture(autouse=True)
+def remove_containers() -> Iterator[None]:
+    """A timed-out `podman run` leaves its container running (conmon keeps it): remove it."""
+    yield
+    while STARTED:
+        subprocess.run(["podman", "rm", "--force", STARTED.pop()], capture_output=True)
+
+
+def run_prefix(run_root: Path, name: str | None = "", nproc: int | None = 2) -> list[str]:
+    """podman run, read-only (a tmpfs /tmp only), as uid 1000, with `run_root` as /runs.
+    `name` None: unnamed (containers on the netns hosts die with their hosts)."""
     run_root.mkdir(parents=True, exist_ok=True)
     run_root.chmod(0o777)  # writable for the container's user, which is not root
-    named = [f"--name={name}"] if name else []
+    named = []
+    if name is not None:
+        name = name or f"ddp-test-{uuid.uuid4().hex[:8]}"
+        STARTED.append(name)
+        named = [f"--name={name}"]
     return [
         "podman",
         "run",
@@ -143,7 +172,7 @@ def run_prefix(run_root: Path, name: str = "", nproc: int | None = 2) -> list[st
         *engine_options(),
         "--read-only",
         "--read-only-tmpfs=false",
-        "--tmpfs=/tmp",
+        "--tmpfs=/tmp:rw,exec,mode=1777",  # torch.compile loads its kernels from there
         "--user=1000:1000",
         f"--volume={run_root}:/runs",
         "--env=OMP_NUM_THREADS=1",
@@ -257,8 +286,8 @@ def test_sigterm_to_the_container_checkpoints_and_the_next_container_resumes_exa
     out = "".join(lines)
     assert signalled.is_set(), out[-3000:]
     assert code == 75, out[-3000:]
-    saved = sorted((runs / "job" / "checkpoints").glob("step_*.pt"))
-    assert saved and saved[-1].name != "step_200.pt", out[-3000:]
+    saved = list((runs / "job" / "checkpoints").glob("step_*.pt"))
+    assert saved and not (runs / "job" / "checkpoints" / "step_200.pt").exists(), out[-3000:]
 
     resumed = subprocess.run(
         [*run_prefix(runs), image, *job], capture_output=True, text=True, timeout=300
@@ -281,10 +310,12 @@ def test_two_netns_hosts_each_running_the_image_train_one_job(image: str, tmp_pa
     """The image on two hosts (network namespaces with their own address and name), one rank
     each, rendezvous across the bridge: the same weights as 2 ranks on one host without it."""
     runs = tmp_path / "runs"
-    in_image = [*run_prefix(runs, nproc=None), image]
     with netns_cluster(2) as cluster:
         two_hosts = cluster.launch(
-            [0, 1], nproc=1, args=["--run.dir=/runs/two", *SYNTHETIC_JOB], image=in_image
+            [0, 1],
+            nproc=1,
+            args=["--run.dir=/runs/two", *SYNTHETIC_JOB],
+            image=[*run_prefix(runs, name=None, nproc=None), image],
         )
         one_host = cluster.launch(
             [0], nproc=2, args=[f"--run.dir={tmp_path / 'one'}", *SYNTHETIC_JOB], port=29401
