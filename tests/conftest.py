@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,16 @@ import data  # noqa: E402
 # config error from train.py). spawn, e2e, multinode, slurm and container tests are `slow` as
 # well, so that `-m "not slow"` is exactly the fast tier.
 SLOW_TIERS = ("spawn", "e2e", "multinode", "slurm", "container")
+
+
+# Image build times (tests/multinode/test_container.py), printed in the summary for CI's log.
+BUILD_TIMES = pytest.StashKey[list[str]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    times = config.stash.get(BUILD_TIMES, [])
+    if times:
+        terminalreporter.write_line("container image build times: " + ", ".join(times))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

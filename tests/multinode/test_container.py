@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from cluster import REPO, netns_cluster
+from conftest import BUILD_TIMES
 
 CAN_BUILD = (
     os.geteuid() == 0
@@ -99,7 +99,7 @@ def extra_ca_certs(tmp: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def image(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[str]:
     """Build the base and the image once for this module; remove both (and the build's
     intermediate images) afterwards, however the tests end. DDP_TEST_IMAGE names an image
     built already instead (while working on these tests)."""
@@ -130,11 +130,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
             assert proc.returncode == 0, f"{script} failed:\n{out[-4000:]}\n{err[-4000:]}"
-            # Build times belong in the CI log: print past pytest's capture.
-            print(
-                f"\ntest_container: {script} took {time.monotonic() - started:.0f} s",
-                file=sys.__stderr__,
-                flush=True,
+            # Build times belong in the CI log: tests/conftest.py prints them in the summary.
+            pytestconfig.stash.setdefault(BUILD_TIMES, []).append(
+                f"{script}: {time.monotonic() - started:.0f} s"
             )
         yield name
     finally:
