@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,54 @@ JOB = [
     "--log.tensorboard=false",
     "--dist.timeout_s=60",
 ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job under torchrun, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+    result = launch(2, f"--run.dir={run_dir}", *JOB)
+    assert result.returncode == 0, result.output[-3000:]
+    return run_dir
+
+
+def assert_same_as(run_dir: Path, reference: Path) -> None:
+    assert_same_training_state(final_state(run_dir), final_state(reference))
+    keys = ("step", "loss", "accuracy", "num_samples")
+    evals = [[{k: r[k] for k in keys} for r in rows(d, "eval")] for d in (run_dir, reference)]
+    assert evals[0] == evals[1] and len(evals[0]) == 4
+
+
+def start(run_dir: Path, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen(
+            ray_command(f"--run.dir={run_dir}", *JOB),
+            cwd=REPO,
+            env=ray_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def launch_processes() -> list[int]:
+    """Every process of any ray_train.py launch on this machine (shims and train.py)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if b"DDP_RAY_RUN=" in environ:
+                found.append(int(entry.name))
+    return found
+
+
+def preempted_and_resumed_steps(output: str) -> tuple[list[int], list[int]]:
+    preempted = [int(s) for s in re.findall(r"preempted by .* at step (\d+)", output)]
+    resumed = [int(s) for s in re.findall(r"resuming from \S+ at step (\d+)", output)]
+    return preempted, resumed
 
 
 def ray_command(*args: str, max_failures: int = 2) -> list[str]:
@@ -68,6 +117,7 @@ def train_processes(rank: int) -> list[int]:
         except OSError:
             continue
         ours = b"DDP_RAY_RUN=" in b"\0".join(environ) and b"train.py" in cmdline
+        ours = ours and b"_shim" not in cmdline  # train.py itself, not its shim
         if ours and f"RANK={rank}".encode() in environ:
             found.append(int(entry.name))
     return found
@@ -78,54 +128,71 @@ def parent_of(pid: int) -> int:
 
 
 def test_a_killed_ray_worker_is_restarted_and_the_run_ends_equal_to_an_uninterrupted_one(
-    tmp_path: Path,
+    tmp_path: Path, reference: Path
 ) -> None:
-    """SIGKILL to rank 1's Ray worker process mid-run: Ray restarts the worker group, train.py
-    resumes from the run dir's newest checkpoint, and the final state is torch.equal to a
-    torchrun run of the same job that nobody interrupted."""
-    run_dir = tmp_path / "ray"
-    log = (tmp_path / "ray.log").open("w")
-    proc = subprocess.Popen(
-        ray_command(f"--run.dir={run_dir}", *JOB),
-        cwd=REPO,
-        env=ray_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    killed = None
+    """SIGKILL to rank 1's Ray worker process mid-run: Ray restarts the worker group, the ranks
+    checkpoint at one step (SIGTERM from their shims' deaths), the new group resumes from that
+    very step, and the final state is torch.equal to a torchrun run that nobody interrupted."""
+    run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
+    proc = start(run_dir, log)
     try:
         deadline = time.monotonic() + 180
-        while killed is None:
-            assert time.monotonic() < deadline, (tmp_path / "ray.log").read_text()[-4000:]
-            assert proc.poll() is None, (tmp_path / "ray.log").read_text()[-4000:]
-            checkpoints = list((run_dir / "checkpoints").glob("step_*.pt"))
+        while True:
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            assert proc.poll() is None, log.read_text()[-4000:]
             ranks = train_processes(1)
-            if checkpoints and ranks:
-                killed = parent_of(ranks[0])  # the Ray worker (actor) running rank 1
-                os.kill(killed, signal.SIGKILL)
+            if list((run_dir / "checkpoints").glob("step_*.pt")) and ranks:
+                # train.py's parent is the shim, whose parent is the Ray worker (an actor).
+                os.kill(parent_of(parent_of(ranks[0])), signal.SIGKILL)
+                break
             time.sleep(0.1)
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        log.close()
-    output = (tmp_path / "ray.log").read_text()
+    output = log.read_text()
     assert code == 0, output[-5000:]
     assert "finished with exit 0" in output
-    # The killed worker's train.py checkpointed (SIGTERM at its parent's death), and Ray's
-    # second worker group resumed from a checkpoint instead of starting again.
-    assert "checkpoint written, exiting with code 75" in output
-    assert "resuming from" in output
-    reference = tmp_path / "torchrun"
-    result = launch(2, f"--run.dir={reference}", *JOB)
-    assert result.returncode == 0, result.output[-3000:]
-    assert_same_training_state(final_state(run_dir), final_state(reference))
-    keys = ("step", "loss", "accuracy", "num_samples")
-    evals = [[{k: r[k] for k in keys} for r in rows(d, "eval")] for d in (run_dir, reference)]
-    assert evals[0] == evals[1] and len(evals[0]) == 4
-    assert not train_processes(0) and not train_processes(1)
+    preempted, resumed = preempted_and_resumed_steps(output)
+    assert len(set(preempted)) == 1 and resumed == preempted[:1], output[-5000:]
+    assert_same_as(run_dir, reference)
+    assert not launch_processes()
+
+
+def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_same_command_resumes(
+    tmp_path: Path, reference: Path
+) -> None:
+    """SIGTERM to ray_train.py alone (the driver): Ray stops the workers, the ranks checkpoint,
+    the launcher waits for them and exits 75 with nothing left running; the same command then
+    resumes from that checkpoint and ends torch.equal to the uninterrupted run."""
+    run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
+    proc = start(run_dir, log)
+    try:
+        deadline = time.monotonic() + 180
+        while not list((run_dir / "checkpoints").glob("step_*.pt")):
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            assert proc.poll() is None, log.read_text()[-4000:]
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert code == 75, output[-5000:]
+    assert not launch_processes()
+    # The ranks' last lines stay in Ray's worker logs (forwarding stops with Ray): what they
+    # left is the checkpoint of the step they stopped at, newer than the periodic ones.
+    saved = [int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*.pt")]
+    assert any(step % 8 for step in saved) or max(saved) > 8, saved
+
+    proc = start(run_dir, tmp_path / "again.log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "again.log").read_text()[-4000:]
+    _, resumed = preempted_and_resumed_steps((tmp_path / "again.log").read_text())
+    assert resumed == [max(saved)]
+    assert_same_as(run_dir, reference)
 
 
 def test_a_bad_command_line_exits_2_before_ray_starts(tmp_path: Path) -> None:
@@ -159,4 +226,6 @@ def test_bad_input_found_by_the_workers_exits_2_without_retrying(tmp_path: Path)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert str(missing) in output and "finished with exit 2" in output
-    assert "attempt" not in output.lower() or "retry" not in output.lower()
+    # One attempt: each rank started once, and Ray's failure policy never ran.
+    assert len(set(re.findall(r"ray_train.py: attempt \S+ rank \d/2: train.py", output))) == 2
+    assert "[FailurePolicy]" not in output
