@@ -16,6 +16,21 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "netns_cluster.sh"
 
 
+# A small synthetic job, 6 steps, that the multi-node and container tests run on their hosts.
+JOB = [
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=1024",
+    "--data.synthetic_eval_size=300",
+    "--data.batch_size=32",
+    "--train.max_steps=6",
+    "--model.widths=8,16",
+    "--data.num_workers=0",
+    "--log.every_steps=2",
+    "--log.tensorboard=false",
+    "--dist.timeout_s=60",
+]
+
+
 def address(node: int) -> str:
     return f"10.77.0.{node + 1}"
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cluster import JOB as SYNTHETIC_JOB
 from cluster import REPO, netns_cluster
 from conftest import BUILD_TIMES
 
@@ -49,18 +50,6 @@ DEFAULT_JOB = [
     "--log.every_steps=2",
     "--log.tensorboard=false",
     "--train.compile=on",
-]
-SYNTHETIC_JOB = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=1024",
-    "--data.synthetic_eval_size=300",
-    "--data.batch_size=32",
-    "--train.max_steps=6",
-    "--model.widths=8,16",
-    "--data.num_workers=0",
-    "--log.every_steps=2",
-    "--log.tensorboard=false",
-    "--dist.timeout_s=60",
 ]
 
 

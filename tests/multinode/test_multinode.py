@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from cluster import netns_cluster
+from cluster import JOB, netns_cluster
 
 CAN_MAKE_HOSTS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("unshare")
 pytestmark = [
@@ -22,19 +22,6 @@ pytestmark = [
         not CAN_MAKE_HOSTS and not os.environ.get("CI"),
         reason="needs root, iproute2 and unshare to create test hosts",
     ),
-]
-
-JOB = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=1024",
-    "--data.synthetic_eval_size=300",
-    "--data.batch_size=32",
-    "--train.max_steps=6",
-    "--model.widths=8,16",
-    "--data.num_workers=0",
-    "--log.every_steps=2",
-    "--log.tensorboard=false",
-    "--dist.timeout_s=60",
 ]
 
 
