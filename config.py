@@ -31,6 +31,8 @@ from typing import Any, ClassVar, Literal
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
+import exitcodes
+
 
 class ConfigError(ValueError):
     """A bad key, type or value in the configuration; the message says which and how to fix it."""
@@ -123,7 +125,7 @@ class RunConfig(_Section):
     """output directory of the run: config.json, metrics.jsonl,
     tensorboard/, checkpoints/"""
 
-    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR2", "SIGINT")
+    preempt_signals: tuple[str, ...] = exitcodes.DEFAULT_PREEMPT_SIGNALS
     """signals that make every rank checkpoint at the next step boundary
     and exit with code 75, however often and to whichever processes they
     are sent (torchrun forwards SIGTERM to its workers; SIGINT is

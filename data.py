@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 import auto
 import distributed
+import exitcodes
 import imagefolder
 from config import ConfigError, DataConfig, load_factory
 from distributed import DistInfo
@@ -517,11 +518,6 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-# Signals a scheduler sends to every process of a job to stop it (Slurm's step signals and
-# time limit, scancel, the kubelet, systemd) or a terminal sends to its process group.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
 def _init_worker(worker_id: int) -> None:
     # A loader worker that dies of a stop signal makes the DataLoader raise in the training
     # process at once ("worker ... killed by signal"), before that process can checkpoint at
@@ -530,7 +526,7 @@ def _init_worker(worker_id: int) -> None:
     # to each process (slurmstepd, the kubelet). They end when the DataLoader shuts them down,
     # or within seconds of the training process's death (the DataLoader's watchdog).
     os.setpgid(0, 0)
-    for sig in STOP_SIGNALS:
+    for sig in exitcodes.LOADER_IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # torch seeds each worker with base_seed + worker_id; give Python and NumPy (used by
     # user-added transforms) seeds derived from it as well.

@@ -47,13 +47,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from exitcodes import EXIT_BAD_INPUT, EXIT_PREEMPTED, FINAL_EXITS, LAUNCHER_STOP_SIGNALS
+
 REPO = Path(__file__).resolve().parent
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_PREEMPTED = 75
-EXIT_NO_PROGRESS = 76
-# train.py's exits that a retry cannot change: the worker group reports them instead of failing.
-FINAL_EXITS = (0, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_NO_PROGRESS)
 RUN_ENV = "DDP_RAY_RUN"  # names this launch's processes (in their environment)
 ATTEMPT_ENV = "DDP_RAY_ATTEMPT"  # and the attempt (worker group) they belong to
 PR_SET_PDEATHSIG = 1
@@ -130,7 +126,7 @@ def shim(argv: list[str]) -> int:
             with contextlib.suppress(OSError):
                 child.send_signal(signum)
 
-    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
+    for stop in LAUNCHER_STOP_SIGNALS:
         signal.signal(stop, forward)
     child = subprocess.Popen(command, preexec_fn=signal_at_parent_death(sig, os.getpid()))
     code = child.wait()

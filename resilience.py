@@ -31,14 +31,10 @@ import torch
 import torch.distributed as dist
 
 import distributed
+import exitcodes
 from distributed import DistInfo
 
 log = logging.getLogger(__name__)
-
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_STALLED = 4
-EXIT_PREEMPTED = 75
 
 
 class DivergedError(RuntimeError):
@@ -189,8 +185,8 @@ class Watchdog:
 
     The training loop calls `beat(step, phase)` (two attribute writes, no I/O). A background
     thread checks the time since the last beat; past the limit it logs the phase, dumps every
-    thread's stack and exits with EXIT_STALLED, so torchrun restarts the group instead of it
-    hanging until an NCCL watchdog (if any) notices. It also publishes each rank's last beat to
+    thread's stack and exits with exit code 4 (stalled), so torchrun restarts the group instead of
+    it hanging until an NCCL watchdog (if any) notices. It also publishes each rank's last beat to
     the process group's store, so a rank whose collective times out can say which peer is
     behind (`describe_peers`).
     """
@@ -251,13 +247,13 @@ class Watchdog:
         message = (
             f"rank {self.info.rank} on {socket.gethostname()} made no progress for {idle:.1f} s "
             f"(dist.timeout_s={self.timeout_s:g}) in {self.phase} of step {self.step + 1}: "
-            f"aborting with exit code {EXIT_STALLED} so that the job restarts. Stacks:"
+            f"aborting with exit code {exitcodes.EXIT_STALLED} so that the job restarts. Stacks:"
         )
         log.error(message)
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        os._exit(EXIT_STALLED)
+        os._exit(exitcodes.EXIT_STALLED)
 
     def describe_peers(self) -> str:
         """Each rank's last published step and phase, the laggards first ('' without a store)."""

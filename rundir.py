@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import checkpoint
+import exitcodes
 from config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 LEASE_FILE = "lease.json"
 PROGRESS_FILE = "progress.json"
 ORIGIN_FILE = "origin.json"
-EXIT_NO_PROGRESS = 76
 # torchrun's --rdzv-id when none is given, and launch_multinode.sh's old default: shared by
 # unrelated jobs, so they identify nothing.
 _ANONYMOUS_RUN_IDS = ("", "none", "ddp-job")
@@ -206,8 +206,8 @@ def count_attempt(run_dir: Path, step: int, limit: int) -> int:
         raise NoProgress(
             f"{attempts - 1} attempts in a row started from step {step} and none saved a "
             f"later checkpoint (run.max_attempts_without_progress={limit}): restarting again "
-            f"cannot help. Exiting with code {EXIT_NO_PROGRESS} ('do not restart'). Read the "
-            f"earlier attempts' errors; once fixed, delete {path} or raise the limit"
+            f"cannot help. Exiting with code {exitcodes.EXIT_NO_PROGRESS} ('do not restart'). "
+            f"Read the earlier attempts' errors; once fixed, delete {path} or raise the limit"
         )
     _write_json(path, {"step": step, "attempts": attempts, "job": job_id()})
     return attempts

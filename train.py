@@ -15,6 +15,7 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
     import os
     import signal
 
+    import exitcodes
     from config import ConfigError, parse_args
 
     _EARLY_SIGNALS: list[int] = []
@@ -25,11 +26,11 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
             print(f"error: {err}", file=sys.stderr)
             # Under torchrun a worker's 2 becomes torchrun's 1, which schedulers retry: tell
             # the launcher as report_to_launcher (below) does.
-            _marker = os.environ.get("TRAIN_BAD_INPUT_MARKER")
+            _marker = os.environ.get(exitcodes.BAD_INPUT_MARKER)
             if _marker and os.environ.get("LOCAL_RANK", "0") == "0":
                 with contextlib.suppress(OSError), open(_marker, "w") as _f:
                     _f.write(f"bad input: {err}\n")
-            sys.exit(2)
+            sys.exit(exitcodes.EXIT_BAD_INPUT)
         # Stop signals that arrive before the training loop's handler is installed (torch's
         # import alone takes seconds, and a scheduler may signal at any time): that handler
         # acts on them.
@@ -54,6 +55,7 @@ import checkpoint
 import data
 import distributed
 import engine
+import exitcodes
 import model as models
 import preflight
 import resilience
@@ -404,7 +406,9 @@ class Trainer:
         if self.info.is_main:  # progress: restarts after this one start counting anew
             rundir.reset_attempts(self.run_dir, step)
         # The launcher (scripts/supervise.py) exits 75 only after this
-        report_to_launcher("TRAIN_PREEMPT_MARKER", f"checkpoint of step {step} after {signal_name}")
+        report_to_launcher(
+            exitcodes.PREEMPT_MARKER, f"checkpoint of step {step} after {signal_name}"
+        )
         raise resilience.Preempted(signal_name, step)
 
     def stop_requested(self) -> str | None:
@@ -580,7 +584,7 @@ def check_progress(cfg: Config, info: DistInfo, step: int) -> None:
             log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
     message = distributed.broadcast_object(message)
     if message is not None:
-        report_to_launcher("TRAIN_NO_PROGRESS_MARKER", f"no progress from step {step}")
+        report_to_launcher(exitcodes.NO_PROGRESS_MARKER, f"no progress from step {step}")
         raise rundir.NoProgress(message)
 
 
@@ -623,7 +627,7 @@ def launch_was_preempted() -> str:
     any non-zero exit is a failure, restarts them; the launcher (scripts/supervise.py) stops
     torchrun once it sees the marker, and until then a restarted worker must not train on.
     """
-    marker = os.environ.get("TRAIN_PREEMPT_MARKER")
+    marker = os.environ.get(exitcodes.PREEMPT_MARKER)
     if not marker:
         return ""
     try:
@@ -663,46 +667,46 @@ def main(argv: list[str] | None = None) -> int:
             load_factory("data.factory", cfg.data.factory)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        report_to_launcher("TRAIN_BAD_INPUT_MARKER", f"bad input: {err}")
-        return resilience.EXIT_BAD_INPUT
+        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        return exitcodes.EXIT_BAD_INPUT
     setup_logging(int(os.environ.get("RANK", "0")))
     already = launch_was_preempted()
     if already:
         log.warning(
             "not starting: this launch was already preempted (%s); exiting with code %d",
             already,
-            resilience.EXIT_PREEMPTED,
+            exitcodes.EXIT_PREEMPTED,
         )
-        return resilience.EXIT_PREEMPTED
+        return exitcodes.EXIT_PREEMPTED
     try:
         info = distributed.setup(cfg.dist)
         cfg = for_world_size(cfg, info.world_size)
         result = train(cfg, info)
         log.info("done: %s", result)
         # A stop signal that came while the run was finishing anyway: done, not preempted.
-        report_to_launcher("TRAIN_PREEMPT_MARKER", f"finished at step {result['step']}")
+        report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
         return 0
     except rundir.NoProgress as err:
         log.error("%s", err)
-        return rundir.EXIT_NO_PROGRESS
+        return exitcodes.EXIT_NO_PROGRESS
     except resilience.Preempted as stop:
         log.warning(
             "%s: checkpoint written, exiting with code %d; resume with the same command",
             stop,
-            resilience.EXIT_PREEMPTED,
+            exitcodes.EXIT_PREEMPTED,
         )
-        return resilience.EXIT_PREEMPTED
+        return exitcodes.EXIT_PREEMPTED
     except (resilience.DivergedError, FloatingPointError) as err:
         log.error("%s", err)
-        return resilience.EXIT_DIVERGED
+        return exitcodes.EXIT_DIVERGED
     except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError, OSError) as err:
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
-        report_to_launcher("TRAIN_BAD_INPUT_MARKER", f"bad input: {err}")
-        return resilience.EXIT_BAD_INPUT
+        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        return exitcodes.EXIT_BAD_INPUT
     except distributed.PeerError as err:
         log.error("%s", err)
-        if err.exit_code == resilience.EXIT_BAD_INPUT:
-            report_to_launcher("TRAIN_BAD_INPUT_MARKER", f"bad input: {err}")
+        if err.exit_code == exitcodes.EXIT_BAD_INPUT:
+            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return err.exit_code
     finally:
         distributed.teardown()

@@ -48,10 +48,17 @@ import tempfile
 import time
 from pathlib import Path
 
-EXIT_BAD_INPUT = 2
-EXIT_PREEMPTED = 75
-EXIT_NO_PROGRESS = 76
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's modules
+from exitcodes import (  # noqa: E402
+    BAD_INPUT_MARKER,
+    EXIT_BAD_INPUT,
+    EXIT_NO_PROGRESS,
+    EXIT_PREEMPTED,
+    LAUNCHER_STOP_SIGNALS,
+    NO_PROGRESS_MARKER,
+    PREEMPT_MARKER,
+)
+
 PR_SET_CHILD_SUBREAPER = 36
 POLL_S = 0.2
 
@@ -178,7 +185,7 @@ class Supervisor:
     def run(self) -> int:
         if not become_subreaper():
             say("cannot become a child subreaper: workers orphaned by torchrun are not waited for")
-        for sig in STOP_SIGNALS:
+        for sig in LAUNCHER_STOP_SIGNALS:
             signal.signal(sig, self.on_signal)
 
         def in_child() -> None:
@@ -254,9 +261,9 @@ def main(argv: list[str]) -> int:
     # What the workers report (train.py; local rank 0 of each node writes its node's file).
     markers = {}
     for name, variable in (
-        ("preempted", "TRAIN_PREEMPT_MARKER"),
-        ("no_progress", "TRAIN_NO_PROGRESS_MARKER"),
-        ("bad_input", "TRAIN_BAD_INPUT_MARKER"),
+        ("preempted", PREEMPT_MARKER),
+        ("no_progress", NO_PROGRESS_MARKER),
+        ("bad_input", BAD_INPUT_MARKER),
     ):
         fd, path = tempfile.mkstemp(prefix=f"train-{name}.")
         os.close(fd)

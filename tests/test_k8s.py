@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-import resilience
-import rundir
+import exitcodes
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -128,8 +127,8 @@ def test_restarts_follow_the_exit_codes(name, jobset) -> None:
         else:
             assert rule == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
     assert by_action == {
-        "Ignore": [resilience.EXIT_PREEMPTED],
-        "FailJob": [resilience.EXIT_BAD_INPUT, rundir.EXIT_NO_PROGRESS],
+        "Ignore": [exitcodes.EXIT_PREEMPTED],
+        "FailJob": [exitcodes.EXIT_BAD_INPUT, exitcodes.EXIT_NO_PROGRESS],
     }
     assert job["backoffLimit"] == 0
     policy = jobset["failurePolicy"]

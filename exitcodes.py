@@ -1,0 +1,56 @@
+"""How a launch ends: exit codes by cause, the files the ranks report through, the stop signals.
+
+One home for what train.py, scripts/supervise.py, ray_train.py, scripts/rendezvous_check.py,
+the shell launchers, the Kubernetes manifests and the tests must agree on. It imports nothing
+but the standard library (no torch: the launchers import it in milliseconds); the shell
+scripts and manifests spell the numbers out and tests/test_exitcodes.py checks them against
+this file.
+
+Every code is in one of two classes a scheduler acts on:
+
+- final: retrying the same command cannot help (0 done, 2 bad input, 3 diverged, 76 no
+  progress). Slurm's train.sbatch, the Kubernetes podFailurePolicy and ray_train.py end the
+  job on these.
+- retryable: anything else. 75 (preempted, the checkpoint is written) is retried without
+  spending a retry budget; the others (1 a crash, 4 stalled, 69 rendezvous not met, 74 transient
+  I/O, 128+N killed by signal N) spend one.
+"""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a crash: torchrun turns every worker failure into its own 1
+EXIT_BAD_INPUT = 2  # a config, file, dataset or run dir this run cannot use: fix the input
+EXIT_DIVERGED = 3  # run.max_nonfinite_steps consecutive non-finite steps
+EXIT_STALLED = 4  # run.stall_timeout_s without a step: the watchdog aborted (retryable)
+EXIT_RENDEZVOUS = 69  # EX_UNAVAILABLE: the nodes did not meet (a node late, a port taken)
+EXIT_IO = 74  # EX_IOERR: transient I/O mid-run (EIO, ESTALE, ETIMEDOUT on NFS/Lustre)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a stop signal; the preemption checkpoint is written
+EXIT_NO_PROGRESS = 76  # run.max_attempts_without_progress attempts from one checkpoint
+
+FINAL_EXITS = frozenset({EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_NO_PROGRESS})
+# What the Kubernetes podFailurePolicy and train.sbatch fail the whole job on (0 is success).
+FAIL_JOB_EXITS = tuple(sorted(FINAL_EXITS - {EXIT_OK}))
+
+# Environment variables naming the files through which local rank 0 of each node tells the
+# launcher (scripts/supervise.py) how this launch ends: torchrun reports any worker failure as
+# its own exit 1, so the cause travels beside it.
+PREEMPT_MARKER = "TRAIN_PREEMPT_MARKER"  # "checkpoint at step N" or "finished at step N"
+NO_PROGRESS_MARKER = "TRAIN_NO_PROGRESS_MARKER"
+BAD_INPUT_MARKER = "TRAIN_BAD_INPUT_MARKER"
+
+# Signals a scheduler or terminal sends to stop a job: Slurm's step signal (--signal, USR2 in
+# train.sbatch) and time limit, scancel, the kubelet, systemd, Ctrl-C, a closed terminal. The
+# launchers turn the first of them into one checkpoint request; loader workers ignore them all
+# (SIGUSR1 too, which some sites use as the step signal).
+LAUNCHER_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
+LOADER_IGNORED_SIGNALS = (*LAUNCHER_STOP_SIGNALS, signal.SIGUSR1)
+# run.preempt_signals' default: what the training processes checkpoint on.
+DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR2", "SIGINT")
+
+
+def is_final(code: int) -> bool:
+    """Whether a retry of the same command cannot change this exit."""
+    return code in FINAL_EXITS
