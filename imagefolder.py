@@ -1,7 +1,10 @@
 """Image files: the user's `root/<class>/<image>` folders, decoded with torchvision.io
-(libjpeg-turbo, libpng, libwebp) and transformed as torchvision's classification references
-transform them: RandomResizedCrop and a horizontal flip for training, resize then center crop
-for evaluation.
+(libjpeg-turbo, libpng, libwebp, giflib) to 8-bit RGB and transformed as torchvision's
+classification references transform them: RandomResizedCrop and a horizontal flip for
+training, resize then center crop for evaluation.
+
+A scan (`scan`) reads each real folder once, however many symbolic links reach it, and never
+for two classes; it skips hidden entries and says what it left out.
 
 Every random choice of a training sample (the crop's area, aspect and place, the flip) comes
 from a hash of (seed, epoch, index), so a sample gets the same crop whichever rank or loader
@@ -25,6 +28,7 @@ import os
 import random
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,79 +42,208 @@ log = logging.getLogger(__name__)
 # >= 2.11); they are the same libjpeg-turbo and libpng, and the GPU image's torchvision has them.
 warnings.filterwarnings("ignore", "The image decoding and encoding", DeprecationWarning)
 
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif")
 # Images torchvision.io cannot decode (torchvision's ImageFolder reads them through PIL).
-OTHER_IMAGES = (".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".avif", ".heic")
+OTHER_IMAGES = (".bmp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".avif", ".heic")
 DECODE_CHUNK = 32  # images decoded at once on the device (decode_batch)
 RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range (torchvision's default)
+SPLIT = -1  # the owner of the split folder itself in a scan (no class)
+NAMED = 3  # examples a scan's warnings name
 
 
 class UnreadableImage(OSError):
     """An image file that cannot be read or decoded; the message names it."""
 
 
+def shown(path: str | os.PathLike) -> str:
+    """`path` as a message can print it: bytes that are not UTF-8 (a Latin-1 "caf\\xe9.jpg",
+    which Python holds as a lone surrogate, PEP 383) as backslash escapes, as `ls -b` shows
+    them. A lone surrogate would make a UTF-8 log file or marker file raise instead."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+@dataclass
+class _Walk:
+    """What scanning one split's class folders finds. Each real folder (by device and inode) is
+    read once, for the first class that reaches it: `owners` maps it to (label, the path it was
+    reached by)."""
+
+    classes: list[str] = field(default_factory=list)
+    owners: dict[tuple[int, int], tuple[int, str]] = field(default_factory=dict)
+    files: list[tuple[str, int]] = field(default_factory=list)
+    links: list[tuple[str, int]] = field(default_factory=list)  # links to folders, to follow
+    hidden: list[str] = field(default_factory=list)
+    loops: list[str] = field(default_factory=list)  # links to a folder that holds them
+    again: list[str] = field(default_factory=list)  # folders reached a second time
+
+    def claim(self, folder: str, label: int) -> bool:
+        """Whether `folder` is new (now `label`'s); False when `label` already has it. A folder
+        another class (or the split itself) has is refused: its images would get two labels."""
+        st = os.stat(folder)
+        key = (st.st_dev, st.st_ino)
+        if key not in self.owners:
+            self.owners[key] = (label, folder)
+            return True
+        owner, first = self.owners[key]
+        if owner == label:
+            self.again.append(f"{shown(folder)} (the folder {shown(first)})")
+            return False
+        where = "the split's own folder" if owner == SPLIT else f"class {self.classes[owner]!r}"
+        raise ConfigError(
+            f"{shown(folder)} is the folder {shown(first)} ({where}) reached through a symbolic "
+            f"link from class {self.classes[label]!r}: its images would get two labels. Remove "
+            "the link: each folder of images belongs to one class"
+        )
+
+    def tree(self, top: str, label: int) -> None:
+        """The files under `top` for `label`, its subfolders too; links to folders are queued
+        in `links` (`follow` reads them once every plain folder is claimed, so a folder that
+        lies in a class is that class's, whichever links reach it first)."""
+        if not self.claim(top, label):
+            return
+        stack = [top]
+        while stack:
+            folder = stack.pop()
+            try:
+                entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+            except OSError as err:  # os.walk would skip it without a word
+                raise ConfigError(f"cannot list {shown(folder)}: {err.strerror}") from None
+            for entry in entries:
+                if entry.name.startswith("."):  # .ipynb_checkpoints, .DS_Store, ._x.jpg
+                    self.hidden.append(shown(entry.path))
+                elif not entry.is_dir():  # a file, or a dangling link: named if it is an image
+                    self.files.append((entry.path, label))
+                elif entry.is_symlink():
+                    self.links.append((entry.path, label))
+                elif self.claim(entry.path, label):
+                    stack.append(entry.path)
+
+    def follow(self) -> None:
+        """Read the queued links to folders, round by round in sorted order (every rank finds
+        the same samples): a link to a folder that holds it (`loop -> ..`, `self -> .`) would
+        read the split again under this class, so it is left out (`loops`)."""
+        while self.links:
+            links, self.links = sorted(self.links), []
+            for link, label in links:
+                target = os.path.realpath(link)
+                here = os.path.realpath(os.path.dirname(link))
+                if os.path.commonpath([target, here]) == target:
+                    self.loops.append(f"{shown(link)} -> {shown(target)}")
+                else:
+                    self.tree(link, label)
+
+
+def _said(root: Path, what: str, items: Sequence[str], level: int = logging.WARNING) -> None:
+    """One log line for `what` with the number of `items` and the first few, from one rank
+    (every rank scans)."""
+    if items and os.environ.get("RANK", "0") == "0":
+        examples = ", ".join(sorted(items)[:NAMED]) + (", ..." if len(items) > NAMED else "")
+        log.log(level, "%s: %d %s: %s", shown(root), len(items), what, examples)
+
+
+def _class_folders(root: Path, walk: _Walk) -> tuple[list[str], list[str]]:
+    """The class folder names in `root`, sorted, and the image files lying beside them."""
+    names, loose = [], []
+    for entry in os.scandir(root):
+        if entry.name.startswith("."):
+            walk.hidden.append(shown(entry.path))
+        elif entry.is_dir():
+            names.append(entry.name)
+        elif entry.name.lower().endswith(EXTENSIONS + OTHER_IMAGES):
+            loose.append(shown(entry.path))
+    if not names:
+        raise ConfigError(
+            f"{shown(root)} has no class folders: put images in {shown(root)}/<class>/"
+        )
+    return sorted(names), loose
+
+
 def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
     """The class folders of `root` (sorted: a label is a class's index in that order) and
-    every image file under them, sorted by path (symbolic links followed, hidden files not)."""
-    classes = sorted(
-        entry.name
-        for entry in os.scandir(root)
-        if entry.is_dir() and not entry.name.startswith(".")
-    )
-    if not classes:
-        raise ConfigError(f"{root} has no class folders: put images in {root}/<class>/")
-    samples: list[tuple[str, int]] = []
-    unread: list[str] = []
-    for label, name in enumerate(classes):
-        files = [
-            os.path.join(folder, file)
-            for folder, _, names in os.walk(root / name, followlinks=True)
-            for file in names
-            if not file.startswith(".")
-        ]
-        found = sorted(path for path in files if path.lower().endswith(EXTENSIONS))
-        unread += [path for path in files if path.lower().endswith(OTHER_IMAGES)]
-        if not found:
+    every image file under them, sorted by path. Symbolic links are followed, each real folder
+    read once (`_Walk`); hidden files and folders (a name starting with '.') are skipped."""
+    walk = _Walk()
+    names, loose = _class_folders(root, walk)
+    walk.classes = [shown(name) for name in names]
+    walk.claim(str(root), SPLIT)
+    for label, name in enumerate(names):
+        walk.tree(os.path.join(root, name), label)
+    walk.follow()
+    found: list[list[str]] = [[] for _ in names]
+    unread = []
+    for path, label in walk.files:
+        if path.lower().endswith(EXTENSIONS):
+            found[label].append(path)
+        elif path.lower().endswith(OTHER_IMAGES):
+            unread.append(shown(path))
+    _report(root, walk, loose, unread)
+    _refuse_empty_classes(root, walk.classes, found)
+    return walk.classes, [
+        (path, label) for label, paths in enumerate(found) for path in sorted(paths)
+    ]
+
+
+def _report(root: Path, walk: _Walk, loose: list[str], unread: list[str]) -> None:
+    """What the scan left out, and why: one line each, once."""
+    _said(root, "image files lie directly in it, in no class folder, and are left out", loose)
+    hidden = "hidden files and folders (names starting with '.') are skipped"
+    _said(root, hidden, walk.hidden, logging.INFO)
+    loops = "symbolic links lead to a folder that holds them (a loop) and are not followed"
+    _said(root, loops, walk.loops)
+    _said(root, "folders reached a second time through symbolic links are read once", walk.again)
+    other = "image files in formats this pipeline does not read are left out (convert them to "
+    _said(root, other + "JPEG or PNG to train on them)", unread)
+
+
+def _refuse_empty_classes(root: Path, classes: list[str], found: list[list[str]]) -> None:
+    for name, paths in zip(classes, found, strict=True):
+        if not paths:
             raise ConfigError(
-                f"class folder {root / name} holds no images (files ending in "
+                f"class folder {shown(root)}/{name} holds no images (files ending in "
                 f"{', '.join(EXTENSIONS)}, any case)"
             )
-        samples += [(path, label) for path in found]
-    if unread and os.environ.get("RANK", "0") == "0":  # every rank scans: one says it
-        log.warning(
-            "%s: %d image files in formats this pipeline does not read are left out (%s%s); "
-            "convert them to JPEG or PNG to train on them",
-            root,
-            len(unread),
-            ", ".join(sorted(unread)[:3]),
-            ", ..." if len(unread) > 3 else "",
-        )
-    return classes, samples
 
 
 def _unreadable(path: str, err: Exception) -> UnreadableImage:
-    return UnreadableImage(f"cannot read image {path}: {type(err).__name__}: {err}")
+    return UnreadableImage(f"cannot read image {shown(path)}: {type(err).__name__}: {err}")
 
 
 def read_bytes(path: str) -> torch.Tensor:
-    """The file at `path` as a 1-D uint8 tensor, or UnreadableImage naming it."""
-    from torchvision import io  # imported when used: it is slow to import
-
+    """The file at `path` as a 1-D uint8 tensor, or UnreadableImage naming it. Read by Python,
+    not torchvision.io.read_file: a name that is not UTF-8 reaches Python as a str with lone
+    surrogates (PEP 383), which read_file cannot pass to C++ ("Unable to cast Python instance
+    of type <class 'str'>"); open() encodes it back to the original bytes."""
     try:
-        return io.read_file(path)
-    except Exception as err:  # missing, unreadable, a directory
+        with open(path, "rb") as file:
+            encoded = torch.empty(os.fstat(file.fileno()).st_size, dtype=torch.uint8)
+            size = file.readinto(encoded.numpy())
+    except OSError as err:  # missing, unreadable, a directory
         raise _unreadable(path, err) from None
+    return encoded[:size]
 
 
 def decode(encoded: torch.Tensor, path: str) -> torch.Tensor:
     """An encoded image (any format torchvision.io reads) as a uint8 RGB tensor (3, H, W) on
-    the CPU, or UnreadableImage naming `path`."""
+    the CPU, or UnreadableImage naming `path`.
+
+    torchvision.io decodes a 16-bit PNG to uint16, 0..65535 (decode_image's docstring in
+    torchvision/io/image.py; decode_png.cpp allocates UInt16 for bit depth 16): it becomes
+    uint8 as torchvision's `to_dtype(..., scale=True)` makes it (the high byte, v >> 8), so
+    it trains as its 8-bit version would. An animated GIF decodes to (frames, 3, H, W)
+    (decode_gif.cpp, always RGB whatever the mode): its first frame is the image."""
     from torchvision import io
 
     try:
-        return io.decode_image(encoded, mode=io.ImageReadMode.RGB)
+        image = io.decode_image(encoded, mode=io.ImageReadMode.RGB)
     except Exception as err:  # a truncated or non-image file; decode errors vary
         raise _unreadable(path, err) from None
+    if image.dim() == 4:
+        image = image[0]
+    if image.dtype != torch.uint8:
+        from torchvision.transforms.v2 import functional as F
+
+        image = F.to_dtype(image, torch.uint8, scale=True)
+    return image
 
 
 def read(path: str) -> torch.Tensor:
@@ -366,3 +499,18 @@ class ImageFolder(Dataset):
                 else:
                     views.append(self.train_view(image, keys[i]))
         return torch.stack(views), labels
+
+
+def require_two_classes(folder: ImageFolder) -> None:
+    """Refuse a training folder of one class folder: every label 0, so loss 0 and accuracy 1.0
+    from the first step (the train/train/<class>/ nesting of an unpacked archive), as a
+    data.factory with num_classes=1 is refused."""
+    if len(folder.classes) == 1:
+        only = folder.classes[0]
+        raise ConfigError(
+            f"{shown(folder.root)} holds one class folder, {only!r} ({len(folder)} images): a "
+            f"classifier needs two classes or more. If {shown(folder.root)}/{only} holds the "
+            "class folders (the train/train/<class>/ nesting), they sit one level too deep: "
+            f"move them up into {shown(folder.root)}/ (data.root is the folder whose train/ and "
+            "val/ hold the class folders directly)"
+        )
