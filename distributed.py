@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record as record
 from torch.nn.parallel import DistributedDataParallel
 
 import auto
+import exitcodes
 from config import ConfigError, DistConfig
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,9 @@ class PeerError(RuntimeError):
 def is_bad_input(error: BaseException) -> bool:
     """Errors that retrying cannot fix (train.py exits 2 for them): a config, file or
     checkpoint the user gave. Exception classes say so with `exit_code = 2`."""
-    return getattr(error, "exit_code", None) == 2 or isinstance(error, ConfigError | OSError)
+    if isinstance(error, OSError):  # by errno: ESTALE mid-run is retryable (exitcodes.py)
+        return exitcodes.exit_for_os_error(error) == exitcodes.EXIT_BAD_INPUT
+    return getattr(error, "exit_code", None) == 2 or isinstance(error, ConfigError)
 
 
 def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) -> None:

@@ -14,10 +14,23 @@ Every code is in one of two classes a scheduler acts on:
 - retryable: anything else. 75 (preempted, the checkpoint is written) is retried without
   spending a retry budget; the others (1 a crash, 4 stalled, 69 rendezvous not met, 74 transient
   I/O, 128+N killed by signal N) spend one.
+
+An `OSError` is classed by its errno, not by when it happens (`exit_for_os_error`): a network
+filesystem's hiccup (EIO, ESTALE, ETIMEDOUT, ...) is 74 whether it hits the dataset at start-up
+or a periodic checkpoint; a wrong path or permission (ENOENT, EACCES, ...) is 2. A full disk or
+quota (ENOSPC, EDQUOT) is 2 too, named in the message: a retry on the same run dir redoes the
+work since the last checkpoint and fails the same way, spending the scheduler's retries within
+minutes; someone must free space first, and the same command then resumes.
+
+Under torchrun a worker's code becomes torchrun's 1; the launcher (scripts/supervise.py) turns
+it back into 2, 75 or 76 through the marker files below. 74 and 69 reach a scheduler as 74 or
+69 only without torchrun (`python train.py`, scripts/rendezvous_check.py); through torchrun they
+stay 1, which is retryable as well.
 """
 
 from __future__ import annotations
 
+import errno
 import signal
 
 EXIT_OK = 0
@@ -54,3 +67,40 @@ DEFAULT_PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR2", "SIGINT")
 def is_final(code: int) -> bool:
     """Whether a retry of the same command cannot change this exit."""
     return code in FINAL_EXITS
+
+
+# errnos of storage that comes back by itself (NFS, Lustre, a SAN path failing over): retryable.
+TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EIO", "ESTALE", "ETIMEDOUT", "EAGAIN", "EINTR", "EBUSY", "ENOLCK", "ECOMM",
+        "EREMOTEIO", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "EHOSTDOWN",
+        "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH", "ENETRESET", "ENOLINK",
+    )
+    if hasattr(errno, name)
+)  # fmt: skip
+# A full disk or quota: named in the message; final (see the module's text).
+DISK_FULL_ERRNOS = frozenset(
+    getattr(errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(errno, name)
+)
+
+
+def exit_for_os_error(err: OSError) -> int:
+    """EXIT_IO for transient storage errors, else EXIT_BAD_INPUT (see the module's text)."""
+    return EXIT_IO if err.errno in TRANSIENT_ERRNOS else EXIT_BAD_INPUT
+
+
+def describe_os_error(err: OSError) -> str:
+    """The error with its errno's name, and what to do about a full disk or quota."""
+    name = errno.errorcode.get(err.errno or 0, "")
+    text = f"{err} ({name})" if name and name not in str(err) else str(err)
+    if err.errno in DISK_FULL_ERRNOS:
+        what = "no space left on the device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+        text += (
+            f": {what}. Retrying cannot help until space is freed (older runs, checkpoints, "
+            "ckpt.keep) or the quota raised; then run the same command again: it resumes from "
+            "the newest checkpoint"
+        )
+    elif err.errno in TRANSIENT_ERRNOS:
+        text += ": a transient storage error; a restart resumes from the newest checkpoint"
+    return text

@@ -12,9 +12,17 @@ else its fully qualified host name): nodes sharing one name, or a name that reso
 loopback or not at all on its node, would make torchrun's workers wait for unreachable peers
 with no message until a timeout; this check names them and LOCAL_ADDR instead.
 
-Exit codes: 0 all arrived; 3 timeout, unreachable node 0, or node 0 gone; 4 bad setup (port in
-use, MASTER_ADDR not an address of node 0, duplicate NODE_RANK, NNODES differing between nodes,
-advertised addresses that do not lead back to their node).
+Node 0 also makes sure that MASTER_PORT, where torchrun's own rendezvous will listen, is free:
+a port held by another job would otherwise fail torchrun after this check passed. The message
+names the process holding it when /proc shows it (same user, or root).
+
+Exit codes (exitcodes.py): 0 all arrived; 69 (EXIT_RENDEZVOUS, retryable: a node merely late
+or not yet reachable meets the next attempt) timeout, unreachable node 0, or node 0 gone; 2
+(EXIT_BAD_INPUT, final: the setup must change, and the message names the variable) a missing or
+malformed variable, MASTER_PORT or RDZV_CHECK_PORT in use on node 0, MASTER_ADDR not an
+address of node 0, duplicate NODE_RANK, NNODES differing between nodes, advertised addresses
+that do not lead back to their node. (It used 3 and 4 before, which are train.py's "diverged",
+final, and "stalled": a late node then failed the job for good.)
 """
 
 from __future__ import annotations
@@ -28,8 +36,12 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 from torch.distributed import TCPStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's modules
+from exitcodes import EXIT_BAD_INPUT, EXIT_RENDEZVOUS  # noqa: E402
 
 POLL_S = 0.2
 GRACE_S = 15.0  # beyond node 0's deadline: clock skew, and node 0 writing the verdict
@@ -61,31 +73,70 @@ def quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-def check_local_address(addr: str, port: int) -> None:
-    """On node 0: MASTER_ADDR must be one of this host's addresses, and the port free."""
+def port_holders(port: int) -> list[str]:
+    """'pid N (command)' of the processes listening on TCP `port`, as far as /proc shows them
+    (sockets in /proc/net/tcp{,6} in state 0A, LISTEN; their owners by /proc/PID/fd links)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    holders = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                holders.append(f"pid {proc.name} ({command[:120]})")
+    return holders
+
+
+def require_free_port(variable: str, port: int) -> None:
+    """On node 0: `port` can be listened on (SO_REUSEADDR: a closing socket of a previous
+    attempt in TIME_WAIT does not count), else bad input naming `variable` and the holder."""
+    try:  # all addresses, IPv4 too, as c10d's TCPStore listens; IPv4 alone without IPv6
+        sock = socket.socket(socket.AF_INET6)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        anywhere = "::"
+    except OSError:
+        sock, anywhere = socket.socket(socket.AF_INET), "0.0.0.0"
+    with sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((anywhere, port))
+            return
+        except OSError as err:
+            reason = err.strerror or str(err)
+    holders = port_holders(port)
+    held = f"held by {'; '.join(holders)}" if holders else "held by a process /proc does not show"
+    fail(
+        EXIT_BAD_INPUT,
+        f"{variable}={port} is in use on node 0 ({reason}; {held}): another job, or a "
+        f"leftover of an earlier one, listens there. Choose another {variable}, or stop that "
+        "process",
+    )
+
+
+def check_local_address(addr: str, ports: dict[str, int]) -> None:
+    """On node 0: MASTER_ADDR must be one of this host's addresses, and the ports free."""
     try:
         ip = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError as err:
-        fail(4, f"MASTER_ADDR={addr} does not resolve on node 0: {err}")
+        fail(EXIT_BAD_INPUT, f"MASTER_ADDR={addr} does not resolve on node 0: {err}")
     with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
         try:
             sock.bind((ip, 0))
         except OSError:
             fail(
-                4,
+                EXIT_BAD_INPUT,
                 f"MASTER_ADDR={addr} ({ip}) is not an address of this host, but this is "
                 "node 0 (NODE_RANK=0): give node 0's own address",
             )
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError as err:
-            fail(
-                4,
-                f"node 0 cannot listen on {addr}:{port}: {err}. Is port {port} already in "
-                "use (another job?): choose another MASTER_PORT or RDZV_CHECK_PORT",
-            )
+    for variable, port in ports.items():
+        require_free_port(variable, port)
 
 
 def connect(addr: str, port: int, node_rank: int, timeout_s: float) -> TCPStore:
@@ -100,10 +151,13 @@ def connect(addr: str, port: int, node_rank: int, timeout_s: float) -> TCPStore:
                 timeout=timedelta(seconds=timeout_s),
             )
         except Exception as err:
-            if node_rank == 0:
-                fail(4, f"node 0 cannot serve the rendezvous check on {endpoint}: {err}")
+            if node_rank == 0:  # the port was free a moment ago: a race, retry
+                fail(
+                    EXIT_RENDEZVOUS,
+                    f"node 0 cannot serve the rendezvous check on {endpoint}: {err}",
+                )
             fail(
-                3,
+                EXIT_RENDEZVOUS,
                 f"node {node_rank} cannot reach the rendezvous at {endpoint} within "
                 f"{timeout_s:.0f} s ({err}). Check MASTER_ADDR (node 0's address as seen "
                 "from this node), that TCP port "
@@ -158,8 +212,8 @@ def check_in(store: TCPStore, node_rank: int, num_nodes: int) -> None:
             f"NODE_RANK={node_rank} is used by two nodes (one is {me['host']}); give "
             f"each node its own NODE_RANK in 0..{num_nodes - 1}"
         )
-        store.compare_set("verdict", "", json.dumps({"code": 4, "message": reason}))
-        fail(4, reason)
+        store.compare_set("verdict", "", json.dumps({"code": EXIT_BAD_INPUT, "message": reason}))
+        fail(EXIT_BAD_INPUT, reason)
     store.set(f"node/{node_rank}", json.dumps(me))
 
 
@@ -180,7 +234,7 @@ def decide(store: TCPStore, addr: str, port: int, num_nodes: int, timeout_s: flo
     if len(present) < num_nodes:
         missing = ", ".join(str(r) for r in range(num_nodes) if r not in present)
         verdict = {
-            "code": 3,
+            "code": EXIT_RENDEZVOUS,
             "message": (
                 f"rendezvous at {addr}:{port} timed out after {timeout_s:.0f} s: expected "
                 f"{num_nodes} nodes, {len(present)} arrived (NODE_RANK {names}); missing NODE_RANK "
@@ -194,12 +248,12 @@ def decide(store: TCPStore, addr: str, port: int, num_nodes: int, timeout_s: flo
             if node["nnodes"] != num_nodes
         )
         verdict = {
-            "code": 4,
+            "code": EXIT_BAD_INPUT,
             "message": f"NNODES differs between nodes: node 0 has {num_nodes}; {odd}",
         }
     elif num_nodes > 1 and (problems := address_problems(present)):
         verdict = {
-            "code": 4,
+            "code": EXIT_BAD_INPUT,
             "message": (
                 "the nodes' addresses do not lead back to them: "
                 + "; ".join(problems)
@@ -218,9 +272,14 @@ def decide(store: TCPStore, addr: str, port: int, num_nodes: int, timeout_s: flo
     return json.loads(store.get("verdict"))
 
 
-def run(addr: str, port: int, num_nodes: int, node_rank: int, timeout_s: float) -> str:
+def run(
+    addr: str, port: int, num_nodes: int, node_rank: int, timeout_s: float, master_port: int
+) -> str:
     if node_rank == 0:
-        check_local_address(addr, port)
+        ports = {"RDZV_CHECK_PORT": port}
+        if master_port:
+            ports["MASTER_PORT"] = master_port
+        check_local_address(addr, ports)
     store = connect(addr, port, node_rank, timeout_s)
     try:
         if node_rank == 0:
@@ -243,7 +302,7 @@ def run(addr: str, port: int, num_nodes: int, node_rank: int, timeout_s: float) 
         raise
     except Exception as err:  # node 0 closed the store (it gave up, or was killed)
         fail(
-            3,
+            EXIT_RENDEZVOUS,
             f"the rendezvous check at {addr}:{port} ended before all nodes met ({err}); "
             "see node 0's message",
         )
@@ -252,14 +311,27 @@ def run(addr: str, port: int, num_nodes: int, node_rank: int, timeout_s: float) 
     return verdict["message"]
 
 
+def setting(name: str, kind: type, default: str | None = None) -> int | float | str:
+    """Environment variable `name` as `kind`, or bad input naming it and its value."""
+    value = os.environ.get(name, default)
+    if not value:
+        fail(EXIT_BAD_INPUT, f"{name} is not set")
+    try:
+        return kind(value)
+    except ValueError:
+        fail(EXIT_BAD_INPUT, f"{name}={value} is not {'an integer' if kind is int else 'a number'}")
+    raise AssertionError("unreachable")
+
+
 def main() -> int:
     try:
         message = run(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["RDZV_CHECK_PORT"]),
-            int(os.environ["NNODES"]),
-            int(os.environ["NODE_RANK"]),
-            float(os.environ.get("RDZV_JOIN_TIMEOUT", "600")),
+            str(setting("MASTER_ADDR", str)),
+            int(setting("RDZV_CHECK_PORT", int)),
+            int(setting("NNODES", int)),
+            int(setting("NODE_RANK", int)),
+            float(setting("RDZV_JOIN_TIMEOUT", float, "600")),
+            int(setting("MASTER_PORT", int, "0")),
         )
     except CheckFailed as failure:
         code, message = failure.args

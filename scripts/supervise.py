@@ -34,13 +34,29 @@ What it does, and why:
   to go on (run.max_attempts_without_progress; a config, file or run dir it cannot use): this
   process stops torchrun's pointless restarts and exits 76 or 2, whatever torchrun reports
   (torchrun turns every worker failure into its own exit 1).
+- The preemption budget is SUPERVISE_GRACE_S for torchrun too. torchrun SIGKILLs its workers
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after its own stop signal
+  (torch/distributed/launcher/api.py, LaunchConfig.__post_init__; SimpleElasticAgent.run's
+  `_shutdown(..., timeout=self._shutdown_timeout)`), so a longer grace here would mean nothing:
+  this process sets that variable to SUPERVISE_GRACE_S for the torchrun it starts, unless the
+  command or environment gives torchrun a timeout already (--shutdown-timeout,
+  PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT: then the smaller of the two is the
+  budget, and it says so). A torch without the setting (it came with pytorch PR #172596) is
+  named at start: its budget is 30 s. torchrun's restart path still stops a worker group with
+  30 s (LocalElasticAgent._stop_workers -> _shutdown(timeout=30) in torch 2.14): that is a
+  worker failure's path, not a preemption's, where every rank leaves after the same save.
+- torchrun dies with this process: it gets SIGTERM when this process dies, even of SIGKILL
+  (PR_SET_PDEATHSIG), and asks its workers to checkpoint and stop, within the same budget.
+  Nothing is left training and holding the run dir's lease; the same command resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,21 +75,37 @@ from exitcodes import (  # noqa: E402
     PREEMPT_MARKER,
 )
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_CHILD_SUBREAPER = 36
 POLL_S = 0.2
+SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+TORCHRUN_DEFAULT_SHUTDOWN_S = 30  # torch/distributed/launcher/api.py, when nothing is set
 
 
 def say(message: str) -> None:
     print(f"supervise.py: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+LIBC = _libc()  # loaded before any fork: the child calls prctl through it
+
+
+def prctl(option: int, value: int) -> bool:
+    try:
+        return LIBC is not None and LIBC.prctl(option, value, 0, 0, 0) == 0
+    except AttributeError:  # not Linux
+        return False
+
+
 def become_subreaper() -> bool:
     """Orphaned descendants (workers whose torchrun died) are reparented to this process."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def children_of(pid: int) -> list[int]:
@@ -188,10 +220,17 @@ class Supervisor:
         for sig in LAUNCHER_STOP_SIGNALS:
             signal.signal(sig, self.on_signal)
 
+        me = os.getpid()
+
         def in_child() -> None:
             signal.signal(signal.SIGUSR2, signal.SIG_IGN)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_DFL)
+            # This process's death, even by SIGKILL, is a stop request to torchrun, which
+            # then stops its workers as for any SIGTERM: nothing trains on without a launcher.
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != me:  # died before the prctl: the signal would never come
+                os._exit(128 + signal.SIGTERM)
 
         # A process group of its own: a terminal's Ctrl-C reaches torchrun only through here
         # (once), never twice.
@@ -241,12 +280,95 @@ def describe(status: int) -> str:
     return f"exit {status}"
 
 
+def torchrun_python(command: list[str]) -> str | None:
+    """The interpreter that runs torchrun in `command` (None when it is not torchrun)."""
+    for i, arg in enumerate(command[:-1]):
+        if arg == "-m" and command[i + 1] in ("torch.distributed.run", "torchrun"):
+            return command[0]
+    if command and Path(command[0]).name == "torchrun":
+        found = shutil.which(command[0])
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            first = Path(found).read_text().splitlines()[0] if found else ""
+            if first.startswith("#!"):
+                return first[2:].split()[0]
+    return None
+
+
+def torch_source(python: str) -> Path | None:
+    """Where that interpreter's torch package lies, found without importing torch (fast)."""
+    probe = "import importlib.util as u; s = u.find_spec('torch'); print(s.origin if s else '')"
+    try:
+        done = subprocess.run(
+            [python, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    origin = done.stdout.strip()
+    return Path(origin).parent if origin else None
+
+
+def torch_version(package: Path) -> str:
+    for line in read(package / "version.py").splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("'\"")
+    return "?"
+
+
+def requested_shutdown_timeout(command: list[str]) -> tuple[str, str] | None:
+    """(setting, value) of a shutdown timeout the command or environment gives torchrun, in
+    torchrun's order: the flag, then PET_SHUTDOWN_TIMEOUT (argparse_util.env), then
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT (LaunchConfig.__post_init__)."""
+    for i, arg in enumerate(command):
+        for flag in ("--shutdown-timeout", "--shutdown_timeout"):
+            if arg.startswith(f"{flag}="):
+                return flag, arg.split("=", 1)[1]
+            if arg == flag and i + 1 < len(command):
+                return flag, command[i + 1]
+    for variable in ("PET_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT):
+        if os.environ.get(variable):
+            return variable, os.environ[variable]
+    return None
+
+
+def size_shutdown_timeout(command: list[str], grace_s: float) -> str:
+    """Give torchrun a shutdown timeout of SUPERVISE_GRACE_S (see the module's text); say what
+    the budget really is. Returns an error message for a setting torchrun would crash on."""
+    python = torchrun_python(command)
+    package = torch_source(python) if python else None
+    if package is None:
+        return ""  # not torchrun, or a torch this process cannot find: nothing to size
+    launcher_api = read(package / "distributed" / "launcher" / "api.py")
+    if SHUTDOWN_TIMEOUT not in launcher_api:
+        say(
+            f"warning: torch {torch_version(package)} has no {SHUTDOWN_TIMEOUT}: its torchrun "
+            f"SIGKILLs the workers {TORCHRUN_DEFAULT_SHUTDOWN_S} s after a stop signal, so the "
+            f"preemption checkpoint must be written within {TORCHRUN_DEFAULT_SHUTDOWN_S} s, "
+            f"not SUPERVISE_GRACE_S={grace_s:g} s. A torch with torchrun's --shutdown-timeout "
+            "gives the whole grace"
+        )
+        return ""
+    requested = requested_shutdown_timeout(command)
+    if requested is None:
+        os.environ[SHUTDOWN_TIMEOUT] = str(math.ceil(grace_s))
+        say(f"preemption budget {grace_s:g} s (SUPERVISE_GRACE_S = torchrun's {SHUTDOWN_TIMEOUT})")
+        return ""
+    setting, value = requested
+    if not value.isdigit():  # torchrun parses it with int(): anything else is a traceback
+        return f"{setting}={value} is not a whole number of seconds"
+    budget = min(grace_s, int(value))
+    say(
+        f"preemption budget {budget:g} s: the smaller of SUPERVISE_GRACE_S={grace_s:g} and "
+        f"torchrun's {setting}={value}"
+    )
+    return ""
+
+
 def main(argv: list[str]) -> int:
     if "--" in argv:
         argv = argv[argv.index("--") + 1 :]
     if not argv:
         print("usage: supervise.py -- COMMAND...", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         grace_s = float(os.environ.get("SUPERVISE_GRACE_S", "120"))
     except ValueError:
@@ -257,7 +379,11 @@ def main(argv: list[str]) -> int:
             "positive number of seconds",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_BAD_INPUT
+    problem = size_shutdown_timeout(argv, grace_s)
+    if problem:
+        print(f"supervise.py: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     # What the workers report (train.py; local rank 0 of each node writes its node's file).
     markers = {}
     for name, variable in (

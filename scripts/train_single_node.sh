@@ -1,12 +1,37 @@
 #!/usr/bin/env bash
 # Train on every GPU of this machine (or every CPU core without GPUs) with torchrun.
 #   scripts/train_single_node.sh [--section.field=value ...]
-# NPROC_PER_NODE overrides the process count (default: auto).
+# NPROC_PER_NODE overrides the process count: auto (default: one per GPU, else one per CPU
+# core), a count >= 1, cpu (one per core), gpu or xpu (one per device: only where there are
+# some). TRAIN_SCRIPT (train.py) names your own entry point that ends in train.main().
+# SUPERVISE_GRACE_S (120) is the preemption budget: how long a stop signal leaves the workers
+# to write their checkpoint (scripts/supervise.py gives torchrun the same).
 set -euo pipefail
+EXIT_BAD_INPUT=2
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="${NPROC_PER_NODE:-auto}"
-  train.py "$@")
+NPROC_PER_NODE=${NPROC_PER_NODE:-auto}
+
+die() { echo "train_single_node.sh: $*" >&2; exit "$EXIT_BAD_INPUT"; }
+
+# torchrun's own check (determine_local_world_size in torch/distributed/run.py) takes any int,
+# 0 and -1 included, and fails later with a traceback and exit 1, which schedulers retry.
+case $NPROC_PER_NODE in
+  auto | cpu) ;;
+  gpu | xpu)
+    device=$([[ $NPROC_PER_NODE == gpu ]] && echo cuda || echo xpu)
+    "$PYTHON" -c "import sys, torch; sys.exit(not torch.$device.is_available())" \
+      || die "NPROC_PER_NODE=$NPROC_PER_NODE, but torch sees no $device device on this host:" \
+        "use auto, cpu or a count" ;;
+  *)
+    # No leading zeros or signs: bash would read 010 as octal, torchrun as ten.
+    [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] \
+      || die "NPROC_PER_NODE=$NPROC_PER_NODE is not a process count >= 1 nor auto, cpu, gpu" \
+        "or xpu" ;;
+esac
+
+cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC_PER_NODE"
+  "${TRAIN_SCRIPT:-train.py}" "$@")
 echo "train_single_node.sh: ${cmd[*]}"
 # A fresh rendezvous store per restart (see launch_multinode.sh).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

@@ -14,6 +14,10 @@ restarted group runs clean. TRAIN_FAULTS holds `;`-separated entries
     sigkill@save=renamed       rank 0 SIGKILLs itself at that stage of writing a checkpoint
     sleep@prepare=begin,seconds=30   rank 0 takes 30 s longer to prepare the dataset (a slow
                                download); `seconds` works at any point
+    sleep@save=begin,seconds=40      rank 0 takes 40 s longer to write each checkpoint (a
+                               large model on a slow filesystem)
+    oserror@save=written,errno=ESTALE   rank 0's checkpoint write fails with that errno (an NFS
+                               server that restarted, a full disk: ENOSPC)
 
 Save stages, in order: begin, partial (some of the checkpoint's bytes written to the
 temporary file, far from all), written (temporary file complete, not yet fsynced), renamed
@@ -23,6 +27,7 @@ yet pruned).
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep")
+ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep", "oserror")
 POINTS = ("step", "save", "prepare")
 
 
@@ -46,6 +51,7 @@ class Fault:
     rank: int | None
     restart: int
     seconds: float = 0.0  # for sleep
+    errno_name: str = "EIO"  # for oserror
 
 
 def parse(spec: str) -> list[Fault]:
@@ -63,11 +69,14 @@ def parse(spec: str) -> list[Fault]:
                 rank=int(extra["rank"]) if "rank" in extra else None,
                 restart=int(extra.get("restart", 0)),
                 seconds=float(extra.get("seconds", 0)),
+                errno_name=extra.get("errno", "EIO"),
             )
         except (ValueError, KeyError):
             raise ValueError(
                 f"TRAIN_FAULTS entry {entry!r} is not ACTION@POINT=V[,rank=R]"
             ) from None
+        if not hasattr(errno, fault.errno_name):
+            raise ValueError(f"TRAIN_FAULTS entry {entry!r}: unknown errno {fault.errno_name}")
         if fault.action not in ACTIONS or fault.point not in POINTS:
             raise ValueError(f"TRAIN_FAULTS entry {entry!r}: unknown action or point")
         faults.append(fault)
@@ -93,6 +102,9 @@ class Plan:
             if fault.action == "hang":
                 while True:
                     time.sleep(3600)
+            if fault.action == "oserror":
+                code = getattr(errno, fault.errno_name)
+                raise OSError(code, f"{os.strerror(code)} (injected: {fault.errno_name})")
             if fault.action == "sleep":
                 time.sleep(fault.seconds)
             elif fault.action != "nan":

@@ -35,6 +35,8 @@ from helpers import (
     wait_for_train_rows,
 )
 
+import exitcodes
+
 pytestmark = pytest.mark.e2e
 
 N_TRAIN, BATCH, ACCUM, SEED, EPOCHS = 250, 16, 2, 0, 2
@@ -123,7 +125,7 @@ def reference_2(tmp_path_factory) -> Path:
 def test_preempted_run_resumes_exactly(tmp_path, reference_1, stop_after) -> None:
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, faults=f"sigterm@step={stop_after - 1}")
-    assert first.returncode == 75, first.output[-3000:]
+    assert first.returncode == exitcodes.EXIT_PREEMPTED, first.output[-3000:]
     assert f"preempted by SIGTERM at step {stop_after}" in first.output
     assert final_state(run_dir)["step"] == stop_after  # the checkpoint of the step boundary
     second = launch(run_dir, 1)
@@ -145,7 +147,7 @@ def test_preempted_run_with_dropout_resumes_exactly(tmp_path, reference_1) -> No
     )
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, "--model.dropout=0.3", faults="sigterm@step=3")
-    assert first.returncode == 75, first.output[-3000:]
+    assert first.returncode == exitcodes.EXIT_PREEMPTED, first.output[-3000:]
     second = launch(run_dir, 1, "--model.dropout=0.3")
     assert second.returncode == 0, second.output[-3000:]
     assert "GFLOP per training sample" in second.output  # the probe ran in the resumed run
@@ -178,12 +180,12 @@ def test_resume_applies_the_optimizer_settings_of_the_command_line(tmp_path) -> 
     new_lr, new_wd, stop = 0.05, 0.002, 4
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, faults=f"sigterm@step={stop - 1}")
-    assert first.returncode == 75, first.output[-3000:]
+    assert first.returncode == exitcodes.EXIT_PREEMPTED, first.output[-3000:]
     before = tree_digest(run_dir)
 
     # A change that cannot be applied is refused before any step, changing nothing.
     refused = launch(run_dir, 1, "--optim.name=adamw")
-    assert refused.returncode == 2, refused.output[-3000:]
+    assert refused.returncode == exitcodes.EXIT_BAD_INPUT, refused.output[-3000:]
     assert "optim.name" in refused.output and "'sgd'" in refused.output, refused.output[-3000:]
     assert "adamw" in refused.output
     assert tree_digest(run_dir) == before
@@ -231,7 +233,7 @@ def test_metrics_hold_each_step_once_across_preemptions_and_kills(tmp_path, refe
     lists the same rows as an uninterrupted run, and time_s never goes back."""
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, faults="sigterm@step=6")
-    assert first.returncode == 75, first.output[-3000:]
+    assert first.returncode == exitcodes.EXIT_PREEMPTED, first.output[-3000:]
     second = launch(run_dir, 1, faults="sigkill@save=begin")  # evaluates step 7, then dies
     assert second.returncode == -signal.SIGKILL, second.output[-3000:]
     third = launch(run_dir, 1, "--ckpt.every_steps=2", faults="sigkill@step=9")
@@ -252,7 +254,10 @@ def test_metrics_hold_each_step_once_across_preemptions_and_kills(tmp_path, refe
 def test_configurable_signal_sigusr2_preempts(tmp_path, reference_1) -> None:
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, "--run.preempt_signals=SIGUSR2", faults="sigusr2@step=3")
-    assert first.returncode == 75 and "preempted by SIGUSR2 at step 4" in first.output
+    assert (
+        first.returncode == exitcodes.EXIT_PREEMPTED
+        and "preempted by SIGUSR2 at step 4" in first.output
+    )
     assert launch(run_dir, 1).returncode == 0
     assert_same_training_state(final_state(run_dir), final_state(reference_1))
 
@@ -337,7 +342,7 @@ def test_external_signal_to_the_launcher_is_forwarded_and_checkpointed(tmp_path,
     output = (tmp_path / "out.log").read_text()
     assert "preempted by SIG" in output, output[-3000:]
     if launcher != "torchrun":
-        assert returncode == 75, output[-3000:]
+        assert returncode == exitcodes.EXIT_PREEMPTED, output[-3000:]
         assert "the workers checkpointed" in output
     stopped = final_state(run_dir)["step"]
     assert 1 <= stopped < 40 * 3
@@ -412,7 +417,7 @@ def test_consecutive_nonfinite_steps_stop_with_a_clear_error(tmp_path) -> None:
     run_dir = tmp_path / "run"
     plan = ";".join(f"nan@step={step}" for step in (2, 3, 4))
     proc = launch(run_dir, 1, "--train.max_nonfinite_steps=3", "--ckpt.every_steps=1", faults=plan)
-    assert proc.returncode == 3, proc.output[-3000:]
+    assert proc.returncode == exitcodes.EXIT_DIVERGED, proc.output[-3000:]
     assert "3 consecutive optimizer steps had a non-finite loss" in proc.output
     assert "train.max_nonfinite_steps=3" in proc.output
     assert final_state(run_dir)["step"] <= 4  # nothing saved after the divergence
@@ -465,7 +470,7 @@ def test_mid_epoch_resume_on_another_world_size_sees_each_sample_once(tmp_path) 
 
 
 # ---------------------------------------------------------------------------------------------
-# Restarts continue the run; one job per run dir; a crash loop stops
+# Restarts continue the run; a crash loop stops (one job per run dir: test_rundir.py)
 
 
 def test_a_restart_repeating_an_explicit_resume_path_continues_the_run(
@@ -485,66 +490,10 @@ def test_a_restart_repeating_an_explicit_resume_path_continues_the_run(
     assert_same_training_state(final_state(run_dir), final_state(reference_1))
 
 
-def test_a_second_job_in_a_run_dir_is_refused_naming_the_holder(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    log = (tmp_path / "first.log").open("w")
-    first = subprocess.Popen(
-        train_command(None, f"--run.dir={run_dir}", *COMMON, "--train.epochs=400"),
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_for_train_rows(run_dir, first)
-        config_before = (run_dir / "config.json").read_bytes()
-        second = launch(run_dir, 2, "--train.epochs=400")
-        assert second.returncode != 0
-        assert "exitcode: 2" in second.output
-        host = socket.gethostname()
-        assert f"is in use by job process-{host}-{first.pid} (host {host}, pid {first.pid}" in (
-            second.output
-        )
-        assert (run_dir / "config.json").read_bytes() == config_before  # nothing written
-        assert first.poll() is None  # the holder trains on
-    finally:
-        first.kill()
-        first.wait()
-        log.close()
-    # The holder died (same host, its pid is gone): the next job takes the lease at once.
-    third = launch(run_dir, 1, "--train.epochs=400", "--train.max_steps=2")
-    assert third.returncode == 0, third.output[-3000:]
-    assert f"process-{host}-{first.pid}" in third.output and "has exited" in third.output
-    assert not (run_dir / "lease.json").exists()  # released at the end
-
-
-def test_a_lease_from_another_host_is_refused_while_fresh_and_taken_when_stale(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    lease = run_dir / "lease.json"
-    holder = {"job": "slurm-999", "host": "elsewhere", "pid": 1, "started": time.time()}
-    lease.write_text(json.dumps({**holder, "heartbeat": time.time()}))
-    args = ("--train.max_steps=2", "--run.lease_timeout_s=60")
-    refused = launch(run_dir, 1, *args)
-    assert refused.returncode == 2, refused.output[-3000:]
-    assert "in use by job slurm-999 (host elsewhere, pid 1" in refused.output
-    assert "expires" in refused.output
-    assert sorted(p.name for p in run_dir.iterdir()) == ["lease.json"]  # nothing written
-    # The same job restarted (a Slurm requeue keeps the job id) continues at once.
-    same_job = launch(run_dir, 1, *args, env={"SLURM_JOB_ID": "999"})
-    assert same_job.returncode == 0, same_job.output[-3000:]
-    assert "continuing job slurm-999" in same_job.output
-    # A holder silent for longer than the timeout is taken over.
-    lease.write_text(json.dumps({**holder, "heartbeat": time.time() - 61}))
-    stale = launch(run_dir, 1, "--train.max_steps=3", "--run.lease_timeout_s=60")
-    assert stale.returncode == 0, stale.output[-3000:]
-    assert "silent for more than run.lease_timeout_s=60" in stale.output
-
-
 def test_a_refused_run_leaves_no_empty_run_dir(tmp_path) -> None:
     missing = tmp_path / "nope.pt"
     proc = launch(tmp_path / "run", 1, f"--ckpt.resume={missing}")
-    assert proc.returncode == 2, proc.output[-3000:]
+    assert proc.returncode == exitcodes.EXIT_BAD_INPUT, proc.output[-3000:]
     assert not (tmp_path / "run").exists()
 
 
@@ -556,11 +505,13 @@ def test_restarts_without_progress_stop_with_exit_76(tmp_path) -> None:
     for _ in range(2):
         assert launch(run_dir, 1, faults="sigkill@step=2").returncode == -9
     preempted = launch(run_dir, 1, faults="sigterm@step=1")
-    assert preempted.returncode == 75  # progress: step 2 saved; the count starts again
+    assert (
+        preempted.returncode == exitcodes.EXIT_PREEMPTED
+    )  # progress: step 2 saved; the count starts again
     for _ in range(3):
         assert launch(run_dir, 1, faults="sigkill@step=3").returncode == -9
     stopped = launch(run_dir, 1)
-    assert stopped.returncode == 76, stopped.output[-3000:]
+    assert stopped.returncode == exitcodes.EXIT_NO_PROGRESS, stopped.output[-3000:]
     assert "3 attempts in a row started from step 2" in stopped.output
     assert final_state(run_dir)["step"] == 2  # nothing else written
 
@@ -581,5 +532,75 @@ def test_torchrun_restarts_without_progress_end_the_launcher_with_exit_76(tmp_pa
         timeout=300,
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 76, output[-4000:]
+    assert proc.returncode == exitcodes.EXIT_NO_PROGRESS, output[-4000:]
     assert "no progress" in output and "do not restart" in output
+
+
+def test_preemptions_that_left_no_checkpoint_do_not_count_as_attempts_without_progress(
+    tmp_path,
+) -> None:
+    """A preemption whose save is killed (torchrun's shutdown timeout, a scheduler's KillWait)
+    made no progress, but not by the run's fault: before, run.max_attempts_without_progress
+    such preemptions in one checkpoint interval ended the job for good (exit 76). Now they do
+    not count, while the crash loop above still trips."""
+    run_dir = tmp_path / "run"
+    # channels_last off: on this project's 2-core CPU host torch 2.14.1's FlopCounterMode
+    # crashes (SIGSEGV) in a channels_last backward; unrelated to what is tested here.
+    channels = "--model.channels_last=off"
+    for _ in range(4):  # one more than the limit of 3
+        killed = launch(run_dir, 1, channels, faults="sigterm@step=2;sigkill@save=begin")
+        assert killed.returncode == -9, killed.output[-3000:]
+    assert not (run_dir / "checkpoints").exists() or not list(
+        (run_dir / "checkpoints").glob("*.pt")
+    )
+    finished = launch(run_dir, 1, channels)
+    assert finished.returncode == 0, finished.output[-3000:]
+    assert "attempts in a row" not in finished.output
+    assert final_state(run_dir)["step"] > 2  # trained to the end, past the preemptions' step
+
+
+# channels_last off: see the test above (torch 2.14.1's FlopCounterMode crash on this host).
+IO_JOB = ("--ckpt.every_steps=3", "--model.channels_last=off")
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "words"),
+    [
+        ("ESTALE", exitcodes.EXIT_IO, "a transient storage error"),
+        ("EIO", exitcodes.EXIT_IO, "a transient storage error"),
+        ("ENOSPC", exitcodes.EXIT_BAD_INPUT, "Retrying cannot help until space is freed"),
+    ],
+)
+def test_an_io_error_during_a_periodic_checkpoint_exits_by_its_errno(
+    tmp_path, name, code, words
+) -> None:
+    """An NFS server restart (ESTALE) or a failing disk path (EIO) while rank 0 writes the
+    step-3 checkpoint: retryable, exit 74 (before: 2, which every scheduler treats as final).
+    A full disk (ENOSPC): 2, named, with what to do. The errno is raised inside the real
+    write (checkpoint.write_temporary), so it travels through the pipeline's own wrapping."""
+    proc = launch(tmp_path / "run", 1, *IO_JOB, faults=f"oserror@save=written,errno={name}")
+    assert proc.returncode == code, proc.output[-3000:]
+    assert name in proc.output and words in proc.output and "step_3" in proc.output
+    assert "Traceback" not in proc.output
+
+
+def test_transient_io_under_the_launcher_is_retried_not_reported_as_bad_input(tmp_path) -> None:
+    """Two ranks under launch_multinode.sh (MAX_RESTARTS=1): ESTALE at the step-3 checkpoint.
+    Before, the workers reported bad input, the launcher stopped torchrun's restart and exited
+    2 (final on Slurm, Kubernetes and Ray). Now torchrun restarts the group, which resumes and
+    finishes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MAX_RESTARTS": "1", "NPROC_PER_NODE": "2"}
+    env.update(TRAIN_SCRIPT="tests/faults.py", TRAIN_FAULTS="oserror@save=written,errno=ESTALE")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="1", NODE_RANK="0")
+    proc = subprocess.run(
+        ["bash", "scripts/launch_multinode.sh", f"--run.dir={tmp_path / 'run'}", *COMMON, *IO_JOB],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == exitcodes.EXIT_OK, output[-4000:]
+    assert "ESTALE" in output and "bad input" not in output
+    assert final_state(tmp_path / "run")["step"] > 3

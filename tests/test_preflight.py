@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import REPO, free_port, run_ranks
 
+import exitcodes
 import preflight
 from distributed import DistInfo
 
@@ -81,3 +87,52 @@ MUST_MATCH = ("python", "torch", "cuda", "nccl", "device", "dataset", "config")
 @pytest.mark.parametrize("key", MUST_MATCH)
 def test_every_must_match_key_is_checked(key) -> None:
     assert preflight.mismatches([record(0, "a"), record(1, "b", **{key: "x"})])
+
+
+# --- scripts/rendezvous_check.py on this host (tests/multinode runs it across namespaces) ------
+
+
+def _rendezvous_check(**env: str) -> subprocess.CompletedProcess:
+    base = {"MASTER_ADDR": "127.0.0.1", "NNODES": "1", "NODE_RANK": "0", "RDZV_JOIN_TIMEOUT": "2"}
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "rendezvous_check.py")],
+        env={**os.environ, **base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+def test_a_late_node_is_retryable_not_diverged() -> None:
+    """Before, a missing node exited 3, which is train.py's 'diverged' (final on Slurm, Ray and
+    the Kubernetes podFailurePolicy): a node merely late failed the job for good."""
+    port = free_port()
+    result = _rendezvous_check(NNODES="2", RDZV_CHECK_PORT=str(port + 1), MASTER_PORT=str(port))
+    assert result.returncode == exitcodes.EXIT_RENDEZVOUS, result.stderr
+    assert not exitcodes.is_final(result.returncode)
+    assert "expected 2 nodes, 1 arrived" in result.stderr and "missing NODE_RANK 1" in result.stderr
+
+
+@pytest.mark.slow
+def test_master_port_held_by_another_job_is_caught_on_node_zero() -> None:
+    """torchrun's c10d store listens on MASTER_PORT after this check passed: a port held by
+    another job failed torchrun later, with a traceback and exit 1. Now node 0 tries to bind it
+    (as c10d's TCPStore would, on every address) and names the variable and the holder."""
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", port))
+        holder.listen()
+        result = _rendezvous_check(RDZV_CHECK_PORT=str(port + 1), MASTER_PORT=str(port))
+    assert result.returncode == exitcodes.EXIT_BAD_INPUT, result.stderr
+    assert f"MASTER_PORT={port} is in use on node 0" in result.stderr
+    assert f"pid {os.getpid()} " in result.stderr  # this test process holds it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("unset", "value"), [("NNODES", None), ("NODE_RANK", "first")])
+def test_a_missing_or_malformed_variable_is_named(unset: str, value: str | None) -> None:
+    env = {"RDZV_CHECK_PORT": str(free_port()), unset: value or ""}
+    result = _rendezvous_check(**env)
+    assert result.returncode == exitcodes.EXIT_BAD_INPUT, result.stderr
+    assert unset in result.stderr and "Traceback" not in result.stderr

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import exitcodes
+
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 MANIFEST = REPO / "scripts" / "k8s" / "pytorchjob.yaml"
@@ -32,7 +34,11 @@ PASSTHROUGH = ["--train.epochs=3", "--log.note=two  words", "--x=$HOME '*' \"q\"
 # would, ends the running job step (the fake srun).
 FAKE_SCONTROL = f"""#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$FAKE_LOG/scontrol.log"
-if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\\n' {" ".join(HOSTS)}; exit 0; fi
+if [[ "$1 $2" == "show hostnames" ]]; then
+  touch "$FAKE_LOG/scontrol.started"
+  sleep "${{FAKE_SCONTROL_SLEEP:-0}}"  # a slow controller: the batch shell waits here
+  printf '%s\\n' {" ".join(HOSTS)}; exit 0
+fi
 if [[ "$1" == requeue && -f "$FAKE_LOG/srun.pid" ]]; then
   kill -TERM "$(cat "$FAKE_LOG/srun.pid")" 2>/dev/null || true
 fi
@@ -228,7 +234,9 @@ def _usr2_during_step(slurm: dict[str, str], step_status: int) -> tuple[int, str
     return proc.returncode, output, (log / "scontrol.log").read_text().splitlines()
 
 
-@pytest.mark.parametrize("step_status", [75, 1, 137])
+@pytest.mark.parametrize(
+    "step_status", [exitcodes.EXIT_PREEMPTED, exitcodes.EXIT_FAILED, 128 + signal.SIGKILL]
+)
 def test_sbatch_requeues_after_usr2_unless_final(slurm: dict[str, str], step_status: int) -> None:
     """Near the time limit the job is requeued whether or not the workers managed to checkpoint
     (75): otherwise the limit kills it and the newest periodic checkpoint is lost to it."""
@@ -238,11 +246,12 @@ def test_sbatch_requeues_after_usr2_unless_final(slurm: dict[str, str], step_sta
     assert returncode == step_status, output
 
 
-@pytest.mark.parametrize("step_status", [2, 76, 0])
+@pytest.mark.parametrize("step_status", sorted(exitcodes.FINAL_EXITS))
 def test_sbatch_does_not_requeue_a_final_status_after_usr2(
     slurm: dict[str, str], step_status: int
 ) -> None:
-    """2 (bad input) and 76 (crash loop) would fail the same way again; 0 is done."""
+    """2 (bad input), 3 (diverged) and 76 (crash loop) would fail the same way again; 0 is
+    done. Every final code of exitcodes.py (before, a divergence after SIGUSR2 was requeued)."""
     returncode, output, calls = _usr2_during_step(slurm, step_status)
     assert not any(call.startswith("requeue") for call in calls), output
     assert returncode == step_status, output
@@ -251,10 +260,17 @@ def test_sbatch_does_not_requeue_a_final_status_after_usr2(
 @pytest.mark.parametrize(
     ("step_status", "requeued", "message"),
     [
-        (75, True, "requeueing job 123457"),
-        (76, False, "crash loop, restarts made no progress: not requeueing"),
-        (2, False, "bad input, retrying cannot help: not requeueing"),
-        (1, False, "exit 1: failed"),
+        (exitcodes.EXIT_PREEMPTED, True, "requeueing job 123457"),
+        (
+            exitcodes.EXIT_NO_PROGRESS,
+            False,
+            "crash loop, restarts made no progress: not requeueing",
+        ),
+        (exitcodes.EXIT_BAD_INPUT, False, "bad input, retrying cannot help: not requeueing"),
+        (exitcodes.EXIT_DIVERGED, False, "diverged, retrying cannot help: not requeueing"),
+        (exitcodes.EXIT_FAILED, False, "exit 1: failed"),
+        (exitcodes.EXIT_RENDEZVOUS, True, "retryable (a node late"),
+        (exitcodes.EXIT_IO, True, "retryable (a node late, transient I/O)"),
     ],
 )
 def test_sbatch_step_status_decides_requeue(
@@ -269,12 +285,45 @@ def test_sbatch_step_status_decides_requeue(
     assert result.returncode == step_status
 
 
+def test_sbatch_usr2_before_the_job_step_starts_requeues_without_training(
+    slurm: dict[str, str],
+) -> None:
+    """Slurm may send the step signal at any time (sbatch(1): up to 60 s early; a preemption
+    with preempt_send_user_signal), also while the batch shell is still asking scontrol for
+    the nodes. Before, the trap then read the unset srun_pid and `set -u` killed the shell
+    (exit 1: no requeue, the job lost). Now: requeued, exit 75, no job step started."""
+    log = Path(slurm["FAKE_LOG"])
+    with open(log / "batch.out", "w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(SBATCH)],
+            env={**slurm, "FAKE_SCONTROL_SLEEP": "2"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 20
+        while not (log / "scontrol.started").exists():  # the trap is installed before this
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGUSR2)
+        returncode = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = (log / "batch.out").read_text()
+    assert returncode == exitcodes.EXIT_PREEMPTED, output
+    assert "unbound variable" not in output
+    assert (log / "scontrol.log").read_text().splitlines()[-1] == "requeue 123457", output
+    assert not (log / "srun.args").exists()  # nothing started, nothing to checkpoint
+
+
 def test_sbatch_refuses_a_default_run_dir_of_an_earlier_job(slurm: dict[str, str]) -> None:
     """Job ids restart with a new cluster: a first start must not resume another job's run."""
     stale = Path(slurm["SLURM_SUBMIT_DIR"]) / "runs" / "slurm-gpu-123457"
     stale.mkdir(parents=True)
     result = _run_sbatch(slurm)
-    assert result.returncode == 2
+    assert result.returncode == exitcodes.EXIT_BAD_INPUT
     assert "already exists" in result.stderr and "RUN_DIR=" in result.stderr
     assert not (Path(slurm["FAKE_LOG"]) / "srun.args").exists()
     # A requeued run of this job (SLURM_RESTART_COUNT >= 1) is what the directory is for.
@@ -348,7 +397,7 @@ def test_pytorchjob_manifest() -> None:
     gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
     assert gpus >= 1
     # One rank per GPU: the policy, the explicit torchrun flag and the GPU limit agree.
-    assert elastic["nProcPerNode"] == gpus
+    assert int(job["spec"]["nprocPerNode"]) == gpus
     assert f"--nproc-per-node={gpus}" in command
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert "pytorchjob-port" in ports  # the operator builds the rendezvous endpoint from it

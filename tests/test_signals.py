@@ -13,10 +13,12 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (
     REPO,
     assert_same_training_state,
@@ -26,6 +28,8 @@ from helpers import (
     train_command,
     wait_for_train_rows,
 )
+
+import exitcodes
 
 pytestmark = pytest.mark.e2e
 
@@ -122,12 +126,16 @@ def launcher_command(launcher: str) -> tuple[list[str], dict[str, str]]:
     return ["bash", "scripts/launch_multinode.sh"], env
 
 
-def start_job(launcher: str, run_dir: Path, log: Path) -> subprocess.Popen:
-    """The job under `launcher`, in a session of its own, its output in `log`."""
-    cmd, env = launcher_command(launcher)
+def start_job(
+    launcher: str, run_dir: Path, log: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """The job under `launcher`, in a session of its own, its output in `log`; `args` are
+    config overrides beyond JOB, `env` more environment (TRAIN_FAULTS, ...)."""
+    cmd, base_env = launcher_command(launcher)
+    env = {**base_env, **(env or {})}
     with log.open("w") as out:
         return subprocess.Popen(
-            [*cmd, f"--run.dir={run_dir}", *JOB],
+            [*cmd, f"--run.dir={run_dir}", *JOB, *args],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -174,7 +182,7 @@ def test_stop_signals_however_delivered_end_in_one_checkpoint_and_exit_75(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     output = log.read_text()
-    assert returncode == 75, output[-4000:]
+    assert returncode == exitcodes.EXIT_PREEMPTED, output[-4000:]
     assert "killed by signal" not in output, output[-4000:]  # no loader worker died
     assert output.count("saved checkpoint") == 1, output[-4000:]  # the preemption's alone
     [stopped] = checkpoints(run_dir)
@@ -212,7 +220,7 @@ def test_ctrl_c_in_an_interactive_run_checkpoints(tmp_path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     output = log.read_text()
-    assert returncode == 75, output[-3000:]
+    assert returncode == exitcodes.EXIT_PREEMPTED, output[-3000:]
     assert "preempted by SIGINT" in output and "Traceback" not in output
     assert len(checkpoints(run_dir)) == 1
 
@@ -239,7 +247,7 @@ def test_a_stop_before_training_starts_exits_75_and_leaves_nothing(tmp_path, lau
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 75, output[-3000:]
+    assert proc.returncode == exitcodes.EXIT_PREEMPTED, output[-3000:]
     assert not (run_dir / "checkpoints").exists()
     assert not job_tree(proc.pid)["all"][1:]
 
@@ -259,7 +267,7 @@ def test_bad_input_under_the_launcher_exits_2_without_burning_restarts(tmp_path)
         timeout=120,
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 2, output[-3000:]
+    assert proc.returncode == exitcodes.EXIT_BAD_INPUT, output[-3000:]
     assert str(missing) in output and "retrying cannot help" in output
     assert output.count("not starting") == 0 and output.count("world size") == 0
 
@@ -280,6 +288,197 @@ def test_a_bad_command_line_under_the_launcher_exits_2(tmp_path, launcher) -> No
         timeout=120,
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 2, output[-3000:]
+    assert proc.returncode == exitcodes.EXIT_BAD_INPUT, output[-3000:]
     assert "train.epochs" in output and "many" in output and "retrying cannot help" in output
     assert not (tmp_path / "run").exists()
+
+
+# The patterns that differ in what torchrun sees: one SIGTERM (from the launcher), its own
+# SIGTERM twice besides the launcher's (it dies of a repeat inside its shutdown and leaves the
+# workers to the launcher, a child subreaper), nothing at all (the workers exit 75 by themselves).
+SLOW_SAVE_CASES = [
+    ("train_single_node.sh", "term_to_launcher_only"),
+    ("launch_multinode.sh", "term_to_launcher_only"),
+    ("train_single_node.sh", "term_to_all_twice"),
+    ("train_single_node.sh", "usr2_to_workers_and_loaders_only"),
+]
+SLOW_SAVE_S = 40  # beyond torchrun's default shutdown timeout of 30 s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("launcher", "pattern"), SLOW_SAVE_CASES)
+def test_a_preemption_save_slower_than_torchruns_default_30_s_is_written(
+    tmp_path, launcher, pattern
+) -> None:
+    """torchrun SIGKILLs its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after
+    its stop signal (torch/distributed/launcher/api.py, LaunchConfig.__post_init__;
+    elastic/agent/server/api.py, SimpleElasticAgent.run -> _shutdown(timeout=...)). Before
+    scripts/supervise.py set it to SUPERVISE_GRACE_S, a 40 s save ended with exit 1, no
+    checkpoint and a stale lease.json. Now: the checkpoint, exit 75, the lease released."""
+    run_dir, log = tmp_path / "run", tmp_path / "out.log"
+    faults = {
+        "TRAIN_SCRIPT": "tests/faults.py",
+        "TRAIN_FAULTS": f"sleep@save=begin,seconds={SLOW_SAVE_S}",
+    }
+    # The other ranks wait in the save's collective meanwhile: give them more than the save.
+    slow = ("--dist.timeout_s=180", "--model.channels_last=off")
+    proc = start_job(launcher, run_dir, log, *slow, env=faults)
+    try:
+        wait_for_train_rows(run_dir, proc, rows=3)
+        started = time.monotonic()
+        deliver(proc.pid, PATTERNS[pattern])
+        returncode = proc.wait(timeout=240)
+        took = time.monotonic() - started
+        print(f"{launcher} {pattern}: exit {returncode}, {took:.1f} s after the signal")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert "preemption budget 120 s" in output, output[-4000:]
+    assert returncode == exitcodes.EXIT_PREEMPTED, output[-4000:]
+    assert "forcefully exiting" not in output, output[-4000:]  # torchrun's SIGKILL
+    [stopped] = checkpoints(run_dir)
+    assert f"checkpoint of step {stopped}" in output
+    assert not list(run_dir.glob("lease.*.json"))  # rundir.LEASE_GLOB: released
+    assert not job_tree(proc.pid)["all"][1:], "processes left behind"
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_the_launcher_stops_torchrun_and_its_workers(tmp_path) -> None:
+    """SIGKILL to scripts/supervise.py (the OOM killer, `kill -9`, a crashed node agent) on a
+    bare machine, where no cgroup kill follows. Before, torchrun and its workers trained on,
+    holding the run dir's lease, with nobody to stop them. Now torchrun gets SIGTERM at its
+    parent's death (PR_SET_PDEATHSIG, prctl(2)) and stops its workers as for any stop
+    signal: they checkpoint and leave, the lease is released, and the same command resumes."""
+    run_dir, log = tmp_path / "run", tmp_path / "out.log"
+    endless = [arg for arg in JOB if not arg.startswith(("--train.max_steps", "--train.epochs"))]
+    job = ("--model.channels_last=off", "--train.epochs=1000")  # never done by itself
+    cmd, env = launcher_command("train_single_node.sh")
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*cmd, f"--run.dir={run_dir}", *endless, *job],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    tree: dict[str, list[int]] = {"all": []}
+    try:
+        wait_for_train_rows(run_dir, proc, rows=3)
+        tree = job_tree(proc.pid)
+        assert len(tree["torchrun"]) == 1 and len(tree["workers"]) == 2, tree
+        os.kill(proc.pid, signal.SIGKILL)  # bash exec'd supervise.py: this is the launcher
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 150  # the shutdown timeout is 120 s; the save takes 1 s
+        while (alive := [p for p in tree["all"][1:] if p in process_table()]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.5)
+        assert not alive, f"still running after the launcher's SIGKILL: {alive}"
+    finally:
+        for pid in tree["all"][1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    output = log.read_text()
+    assert not list(run_dir.glob("lease.*.json")), output[-3000:]  # released
+    [stopped] = checkpoints(run_dir)
+    assert f"preempted by SIGTERM at step {stopped}:" in output, output[-3000:]
+    # The same command again resumes from that checkpoint (then stops for this test).
+    resumed = subprocess.Popen(
+        [*cmd, f"--run.dir={run_dir}", *endless, *job],
+        cwd=REPO,
+        env=env,
+        stdout=(tmp_path / "resumed.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for_train_rows(run_dir, resumed, rows=stopped + 2)
+        os.kill(resumed.pid, signal.SIGTERM)
+        assert resumed.wait(timeout=120) == exitcodes.EXIT_PREEMPTED
+    finally:
+        if resumed.poll() is None:
+            os.killpg(resumed.pid, signal.SIGKILL)
+    assert f"at step {stopped} " in (tmp_path / "resumed.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["0", "-1", "010", "two", "gpu"])
+@pytest.mark.parametrize("launcher", ["train_single_node.sh", "launch_multinode.sh"])
+def test_a_bad_nproc_per_node_exits_2_naming_it(tmp_path, launcher, value) -> None:
+    """torchrun's determine_local_world_size (torch/distributed/run.py) takes any int (0 and
+    -1 too) and checks `gpu` only with torch.cuda.is_available(); before, these reached torch
+    tracebacks and exit 1 from train_single_node.sh, which schedulers retry."""
+    if value == "gpu" and torch.cuda.is_available():
+        pytest.skip("this host has a GPU: NPROC_PER_NODE=gpu is valid here")
+    cmd, env = launcher_command(launcher)
+    proc = subprocess.run(
+        [*cmd, f"--run.dir={tmp_path / 'run'}", *JOB],
+        cwd=REPO,
+        env={**env, "NPROC_PER_NODE": value},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == exitcodes.EXIT_BAD_INPUT, output[-3000:]
+    assert f"NPROC_PER_NODE={value}" in output and "Traceback" not in output
+    assert not (tmp_path / "run").exists()
+
+
+def _fake_torch(root: Path, launcher_api: str) -> dict[str, str]:
+    """A torch package that only has what supervise.py reads (version, launcher/api.py)."""
+    (root / "torch" / "distributed" / "launcher").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text("")
+    (root / "torch" / "version.py").write_text("__version__ = '2.4.1'\n")
+    (root / "torch" / "distributed" / "launcher" / "api.py").write_text(launcher_api)
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
+@pytest.mark.slow
+def test_a_torch_without_the_shutdown_timeout_is_named_at_start(tmp_path) -> None:
+    """torch releases before pytorch PR #172596 hard-code torchrun's 30 s: the launcher says
+    that the budget is 30 s, not SUPERVISE_GRACE_S, instead of pretending."""
+    env = _fake_torch(tmp_path, "class LaunchConfig:\n    pass\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--help"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/supervise.py", "--", *command],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "warning: torch 2.4.1 has no TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in proc.stderr
+    assert "within 30 s, not SUPERVISE_GRACE_S=120 s" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (["--shutdown-timeout=45"], "preemption budget 45 s"),
+        (["--shutdown_timeout", "600"], "preemption budget 120 s"),
+        (["--shutdown-timeout=soon"], "--shutdown-timeout=soon is not a whole number"),
+    ],
+)
+def test_a_shutdown_timeout_given_to_torchrun_is_kept_and_the_budget_named(
+    tmp_path, given, expected
+) -> None:
+    """An explicit torchrun timeout wins over the one supervise.py would set (run.py's flag,
+    then PET_SHUTDOWN_TIMEOUT, then TORCH_ELASTIC_SHUTDOWN_TIMEOUT); the budget is the smaller
+    of it and SUPERVISE_GRACE_S, and one torchrun would crash on (int()) is refused: exit 2."""
+    env = _fake_torch(tmp_path, "os.environ.get('TORCH_ELASTIC_SHUTDOWN_TIMEOUT', '30')\n")
+    command = [sys.executable, "-m", "torch.distributed.run", *given, "--help"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/supervise.py", "--", *command],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert expected in proc.stderr, proc.stderr
+    if "soon" in expected:
+        assert proc.returncode == exitcodes.EXIT_BAD_INPUT
