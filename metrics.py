@@ -7,6 +7,7 @@ import logging
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,12 +259,24 @@ class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl and mirrors scalars to TensorBoard.
 
     Only the main rank writes (`enabled`); the figures it writes are already global.
+    `holds_run_dir` (rank 0's run dir lease, rundir.Lease.valid) is asked before each write:
+    once another job has taken the run dir over, rows are dropped, not written over its own.
+    Dropping, not raising: a write is made on rank 0 alone, outside any collective, and the
+    training loop stops every rank together at the next step.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        tensorboard: bool,
+        holds_run_dir: Callable[[], bool] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.enabled = enabled
         self.tensorboard = tensorboard
+        self.holds_run_dir = holds_run_dir or (lambda: True)
+        self._dropping = False
         self._file = None
         self._tb = None
         # time_s of the last row kept from earlier attempts: a resumed run's time_s goes on
@@ -279,7 +292,7 @@ class MetricsWriter:
         row at that step (from an attempt that evaluated, then died before saving) goes too.
         TensorBoard drops its events past `resume_step` (purge_step).
         """
-        if not self.enabled:
+        if not self.enabled or not self._may_write():
             return
         path = self.run_dir / "metrics.jsonl"
         self._truncate(path, resume_step, pending_eval)
@@ -324,8 +337,16 @@ class MetricsWriter:
             len(lines) - len(kept),
         )
 
+    def _may_write(self) -> bool:
+        if self.holds_run_dir():
+            return True
+        if not self._dropping:
+            log.error("this job no longer holds the run dir's lease: metrics are not written")
+            self._dropping = True
+        return False
+
     def write(self, row: dict[str, Any]) -> None:
-        if self._file is None:
+        if self._file is None or not self._may_write():
             return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()  # a crash must not lose the rows already reported
@@ -338,5 +359,9 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
+        # TensorBoard's writer flushes its queued events on close: after the lease is lost
+        # they would land beside the new holder's, past the step it resumed from. Left
+        # unflushed, they end with this process (the writer's thread is a daemon: tensorboard's
+        # summary/writer/event_file_writer.py, _AsyncWriterThread).
+        if self._tb is not None and self._may_write():
             self._tb.close()

@@ -1,29 +1,75 @@
 """Who owns a run directory, and whether its attempts make progress.
 
-- `Lease`: one job per run dir. Rank 0 takes `<run.dir>/lease.json` (host, pid, job id,
-  heartbeat) before anything else is written there, and refreshes its heartbeat while the job
-  runs. A second job is refused, naming the holder; a restart of the same job (a torchrun
-  restart, a Slurm requeue, a pod restart: the same job id) takes it over at once, and so
-  does any job once the holder is gone: its process is dead (same host) or its heartbeat is
-  older than `run.lease_timeout_s`. Heartbeats are wall-clock times: the nodes' clocks must
-  agree to well within that timeout (NTP).
+- `Lease`: one job per run dir. Rank 0 takes the lease before anything is written there,
+  renews it while the job runs, and checks it before each write of the run (checkpoints,
+  metrics.jsonl and TensorBoard rows, config.json, origin.json, the attempt count in
+  progress.json; a background checkpoint write is checked when it starts).
 - `count_attempt`: the crash-loop breaker. `<run.dir>/progress.json` counts the attempts that
   started from the same checkpoint step; past `run.max_attempts_without_progress` the run
   exits 76 ("no progress: do not restart") instead of failing the same way again. A
-  preemption (exit 75) and a finished run reset the count.
+  preemption (exit 75) and a finished run reset the count; a preemption that dies before its
+  checkpoint is written is not counted (`uncount_attempt`).
 - `origin.json`: the checkpoint an explicit `--ckpt.resume=PATH` initialised this run from, so
   that a restart repeating that command continues from the run's own newer checkpoints.
+
+The lease
+---------
+Generations: `<run.dir>/lease.<N>.json`, N = 1, 2, ...; the highest N is the holder. A job
+takes the lease by creating the next generation's file with `O_CREAT | O_EXCL`: of several
+jobs that try at once exactly one creates it, the others get EEXIST, read the winner and are
+refused. The holder writes only its own generation's file (its heartbeat, every
+`run.lease_timeout_s`/4, by write-and-rename), so nothing it writes can land on a newer holder;
+its generation is the fencing token: it may write to the run dir while generation N + 1 does
+not exist and its own last successful renewal is recent.
+
+Who may take the lease over (the newcomer creates N + 1):
+- the same job restarted (a torchrun restart, a Slurm requeue, a pod repeating the command with
+  the same `--rdzv-id`: the same `job_id()`), at once;
+- anyone, when the holder's process is dead: only when the holder ran under the same kernel
+  boot (`/proc/sys/kernel/random/boot_id`) and in the same PID namespace (`/proc/self/ns/pid`)
+  as the newcomer, and its pid is gone, a zombie, or a process started at another time
+  (`/proc/<pid>/stat` field 22: the pid was reused). A host name identifies none of this:
+  `hostNetwork` pods, `--network=host` containers and a replacement pod share it while each
+  has its own PID table, where `kill(pid, 0)` looks at another process or at none;
+- anyone, when the holder's heartbeat is older than the holder's own `run.lease_timeout_s`
+  (recorded in its file). Heartbeats are wall-clock times: the nodes' clocks must agree to
+  well within a quarter of that timeout (NTP).
+
+The holder stops itself: once its last successful renewal is older than three quarters of its
+timeout (`BOOTTIME`, a clock that neither NTP nor a suspend moves back), or once generation
+N + 1 exists. It then writes nothing more, and the training loop stops every rank at the next
+step (`stop_reason`). A read that fails (ESTALE, EIO, a torn file) is never a reason to write:
+the renewal is skipped, and enough skipped renewals stop the holder.
+
+What the filesystems give (why O_EXCL generations and not a lock):
+- NFSv3 and v4 create with `O_EXCL` atomically on the server (open(2): "O_EXCL is supported
+  only when using NFSv3 or later on kernel 2.6 or later"; NFSv3 CREATE EXCLUSIVE carries a
+  verifier, so a retransmitted create is not a second one). Lustre creates on its metadata
+  server, atomically. No mount option is needed.
+- Close-to-open consistency: a file opened after another client closed it shows that
+  client's data; directory listings and negative lookups may be cached for up to `acdirmax`
+  (60 s by default). A newcomer therefore probes the generations above the listing's highest
+  by name, and the O_EXCL create is the arbiter in any case.
+- A file renamed over on NFS may make a reader's open file handle stale (ESTALE): readers
+  retry, and a renewal skips rather than writes.
+- `fcntl` locks are not relied on: NFSv4 keeps them as server state under the client's lease
+  (90 s by default), NFSv3 needs lockd/statd (NLM), and with `nolock` they are local to one
+  client, silently; Lustre refuses them (ENOSYS) without the `flock` mount option and keeps them
+  on one client with `localflock`. A lock that quietly covers one node would let two jobs in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,34 +79,107 @@ from config import ConfigError
 
 log = logging.getLogger(__name__)
 
-LEASE_FILE = "lease.json"
+LEASE_GLOB = "lease.*.json"  # lease.<generation>.json
 PROGRESS_FILE = "progress.json"
 ORIGIN_FILE = "origin.json"
 # torchrun's --rdzv-id when none is given, and launch_multinode.sh's old default: shared by
 # unrelated jobs, so they identify nothing.
 _ANONYMOUS_RUN_IDS = ("", "none", "ddp-job")
+# A lease file that exists but does not parse yet is being created (O_EXCL first, then the
+# record) or renamed over: read it again for this long before judging it by its age.
+_READ_RETRY_S = 2.0
 
 
 class RunDirBusy(ConfigError):
-    """Another live job holds the run dir's lease."""
+    """Another live job holds the run dir's lease (or took it over from this one)."""
+
+
+class LeaseExpired(OSError):
+    """This job could not renew its lease for most of run.lease_timeout_s (the filesystem
+    failed it, or the process was stopped), and no other job has taken it yet: stop writing.
+    Transient (ETIMEDOUT): a restart of the same job takes its lease back at once."""
 
 
 class NoProgress(RuntimeError):
     """Too many attempts started from the same checkpoint: restarting again cannot help."""
 
 
+# ---------------------------------------------------------------------------------------------
+# Process identity
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """What identifies a process on a network of machines: the kernel boot, the PID namespace,
+    the pid there and the pid's start time. Empty or 0 fields: not known (/proc is missing
+    or belongs to another PID namespace), and then nothing is inferred from them."""
+
+    boot_id: str
+    pid_ns: str
+    pid: int
+    start_ticks: int
+
+    @classmethod
+    def current(cls) -> ProcessId:
+        pid = os.getpid()
+        try:
+            boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            pid_ns = os.readlink("/proc/self/ns/pid")
+            stat = _proc_stat(pid)
+        except OSError:
+            return cls("", "", pid, 0)
+        # /proc mounted for another PID namespace (unshare --pid without --mount-proc, a
+        # container given the host's /proc) shows other processes under these numbers.
+        if stat is None or stat[0] != pid:
+            return cls(boot_id, "", pid, 0)
+        return cls(boot_id, pid_ns, pid, stat[2])
+
+    def known(self) -> bool:
+        return bool(self.boot_id and self.pid_ns and self.start_ticks)
+
+    def exited(self, observer: ProcessId) -> bool:
+        """Whether this process is certainly gone, as `observer` (this process) sees it: only
+        when both ran under the same boot in the same PID namespace, and the pid is free, a
+        zombie or another process (started at another time)."""
+        if not (self.known() and observer.known()):
+            return False
+        if (self.boot_id, self.pid_ns) != (observer.boot_id, observer.pid_ns):
+            return False
+        try:
+            stat = _proc_stat(self.pid)
+        except OSError:
+            return False
+        return stat is None or stat[1] in "ZX" or stat[2] != self.start_ticks
+
+
+def _proc_stat(pid: int) -> tuple[int, str, int] | None:
+    """(pid, state, start time in clock ticks after boot) from /proc/<pid>/stat, None when no
+    such process. proc(5): the command name, field 2, is in parentheses and may hold spaces
+    and parentheses itself, so the fields after it are counted from the last ')'."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    head, _, rest = text.rpartition(")")
+    fields = rest.split()  # fields[0] is field 3 (state); field 22 (starttime) is fields[19]
+    return int(head.split(" (", 1)[0]), fields[0], int(fields[19])
+
+
 def job_id() -> str:
     """What names this job across its restarts: Slurm's job id (kept by a requeue), else the
     torchrun run id (--rdzv-id: kept by torchrun's restarts and by pod restarts that repeat the
-    command), else this process (a plain `python train.py`)."""
+    command), else this process (a plain `python train.py`) or its torchrun agent, named by host,
+    pid, PID namespace and boot: a host name and pid alone repeat in every container."""
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id not in _ANONYMOUS_RUN_IDS:
         return f"torchrun-{run_id}"
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # under torchrun: its agent's pid
-        return f"process-{socket.gethostname()}-{os.getppid()}"
-    return f"process-{socket.gethostname()}-{os.getpid()}"
+    # Under torchrun: its agent's pid, the same for every restart of the workers.
+    pid = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") is not None else os.getpid()
+    me = ProcessId.current()
+    namespace = re.sub(r"\D", "", me.pid_ns) or "unknown"
+    return f"process-{socket.gethostname()}-{pid}-pidns{namespace}-boot{me.boot_id[:8]}"
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -76,123 +195,281 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     checkpoint.atomic_write_bytes(path, lambda f: f.write(payload))
 
 
-def _pid_alive(pid: int) -> bool:
+# ---------------------------------------------------------------------------------------------
+# The lease
+
+
+def _clock() -> float:
+    """Seconds on a clock that runs on through a suspend (a laptop, a paused VM) and that no
+    clock adjustment moves: a holder that was asleep must count that time as silence."""
+    return time.clock_gettime(getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC))
+
+
+def lease_path(run_dir: Path, generation: int) -> Path:
+    return run_dir / f"lease.{generation}.json"
+
+
+def _generations(run_dir: Path) -> list[int]:
+    """The generations the listing shows, then those above its highest that a lookup by name
+    finds (a cached NFS listing may miss the newest), in ascending order."""
+    found = []
+    for path in run_dir.glob(LEASE_GLOB):
+        number = path.name.split(".")[1]
+        if number.isdigit():
+            found.append(int(number))
+    found.sort()
+    top = found[-1] if found else 0
+    while lease_path(run_dir, top + 1).exists():
+        top += 1
+        found.append(top)
+    return found
+
+
+def _read_lease(path: Path) -> dict[str, Any] | None:
+    """A lease file's record: None when there is no such file; raises OSError when it cannot
+    be read, ValueError when it does not parse (being created, or torn)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    return value
+
+
+def _describe(holder: dict[str, Any], now: float | None = None) -> str:
+    age = (time.time() if now is None else now) - float(holder.get("heartbeat", 0))
+    return (
+        f"job {holder.get('job')} (host {holder.get('host')}, pid {holder.get('pid')}, "
+        f"lease generation {holder.get('generation')}, heartbeat {age:.0f} s ago)"
+    )
 
 
 class Lease:
     """The run dir's lease, held by rank 0 for the whole run (see the module's text)."""
 
     def __init__(self, run_dir: Path, timeout_s: float) -> None:
-        self.path = run_dir / LEASE_FILE
+        self.run_dir = run_dir
         self.timeout_s = timeout_s
-        self.mine = {
-            "job": job_id(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": time.time(),
-            "heartbeat": time.time(),
-        }
+        self.me = ProcessId.current()
+        self.job = job_id()
+        self.generation = 0  # the generation held; 0 before acquire
+        self.lost_to = ""  # who took the lease over while this job ran
+        self._renewed = 0.0  # _clock() before the last renewal that reached the file
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.lost_to = ""  # the job that took the lease over while this one still ran
 
-    def held_by_me(self, holder: dict[str, Any] | None) -> bool:
-        return bool(holder) and (holder.get("job"), holder.get("pid")) == (  # type: ignore[union-attr]
-            self.mine["job"],
-            self.mine["pid"],
-        )
+    @property
+    def path(self) -> Path:
+        return lease_path(self.run_dir, self.generation)
+
+    def record(self) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "generation": self.generation,
+            "job": self.job,
+            "host": socket.gethostname(),
+            "pid": self.me.pid,
+            "boot_id": self.me.boot_id,
+            "pid_ns": self.me.pid_ns,
+            "start_ticks": self.me.start_ticks,
+            "timeout_s": self.timeout_s,
+            "heartbeat": now,
+        }
+
+    # -- taking it -----------------------------------------------------------------------------
 
     def acquire(self) -> None:
         """Take the lease or raise RunDirBusy naming the holder. Call with the dir existing."""
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            self._take_over(_read_json(self.path))
+        for _ in range(100):  # each pass contests one generation; losing one means a new holder
+            generations = _generations(self.run_dir)
+            top = generations[-1] if generations else 0
+            if top:
+                self._judge(top)  # raises RunDirBusy unless the holder may be taken over
+            if self._create(top + 1):
+                break
         else:
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(json.dumps(self.mine) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as err:  # a full disk, say: leave nothing behind, name the file
-                self.path.unlink(missing_ok=True)
-                raise OSError(err.errno, f"cannot write {self.path}: {err.strerror}") from err
+            raise RunDirBusy(f"run.dir={self.run_dir}: lost 100 races for its lease in a row")
+        self._collect(generations)
         self._thread = threading.Thread(target=self._beat, name="run-dir-lease", daemon=True)
         self._thread.start()
 
-    def _take_over(self, holder: dict[str, Any] | None) -> None:
-        for _ in range(5):  # a read can race the holder's rename (ESTALE on NFS): read again
-            if holder is not None:
-                break
-            time.sleep(0.2)
-            holder = _read_json(self.path)
-        if holder is None:
-            log.warning("%s is unreadable: taking the lease", self.path)
-        else:
-            age = time.time() - float(holder.get("heartbeat", 0))
-            who = (
-                f"job {holder.get('job')} (host {holder.get('host')}, pid {holder.get('pid')}, "
-                f"heartbeat {age:.0f} s ago)"
+    def _judge(self, top: int) -> None:
+        """Return if generation `top`'s holder may be taken over (log why), else raise."""
+        path = lease_path(self.run_dir, top)
+        holder, problem = self._read_patiently(path)
+        if holder is None:  # unreadable for seconds: judge the file by its age
+            try:
+                age = time.time() - path.stat().st_mtime
+            except FileNotFoundError:
+                return  # released meanwhile: contest the next generation
+            if age > self.timeout_s:
+                log.warning("run dir lease: %s is unreadable (%s): taking the lease", path, problem)
+                return
+            raise RunDirBusy(
+                f"run.dir={self.run_dir}: its lease {path.name} cannot be read ({problem}) and "
+                f"was written {age:.0f} s ago: another job may hold it. Try again later, or use "
+                "another --run.dir"
             )
-            same_host = holder.get("host") == self.mine["host"]
-            if holder.get("job") == self.mine["job"]:
-                log.info("run dir lease: continuing job %s (a restart)", self.mine["job"])
-            elif same_host and not _pid_alive(int(holder.get("pid", 0))):
-                log.warning("run dir lease: %s has exited: taking the lease", who)
-            elif age > self.timeout_s:
-                log.warning(
-                    "run dir lease: %s is silent for more than run.lease_timeout_s=%g s: taking "
-                    "the lease",
-                    who,
-                    self.timeout_s,
-                )
-            else:
-                raise RunDirBusy(
-                    f"run.dir={self.path.parent} is in use by {who}: two jobs in one run dir "
-                    "would overwrite each other's checkpoints and metrics. Use another --run.dir; "
-                    f"if that job is dead on another host, its lease expires "
-                    f"{max(0.0, self.timeout_s - age):.0f} s from now "
-                    f"(run.lease_timeout_s={self.timeout_s:g})"
-                )
-        _write_json(self.path, self.mine)
+        who = _describe(holder)
+        holder_id = ProcessId(
+            str(holder.get("boot_id", "")),
+            str(holder.get("pid_ns", "")),
+            int(holder.get("pid", 0)),
+            int(holder.get("start_ticks", 0)),
+        )
+        timeout = float(holder.get("timeout_s", self.timeout_s))
+        age = time.time() - float(holder.get("heartbeat", 0))
+        if holder.get("job") == self.job:
+            log.info("run dir lease: continuing job %s (a restart)", self.job)
+        elif holder_id.exited(self.me):
+            log.warning("run dir lease: %s has exited: taking the lease", who)
+        elif age > timeout:
+            log.warning(
+                "run dir lease: %s is silent for more than run.lease_timeout_s=%g s (the "
+                "holder's setting): taking the lease",
+                who,
+                timeout,
+            )
+        else:
+            raise RunDirBusy(
+                f"run.dir={self.run_dir} is in use by {who}: two jobs in one run dir would "
+                "overwrite each other's checkpoints and metrics. Use another --run.dir; if that "
+                f"job is gone without a trace here (another host, another container), its "
+                f"lease expires {max(0.0, timeout - age):.0f} s from now "
+                f"(its run.lease_timeout_s={timeout:g})"
+            )
+
+    def _read_patiently(self, path: Path) -> tuple[dict[str, Any] | None, str]:
+        """(the record, '') or, after retrying for _READ_RETRY_S, (None, why not)."""
+        deadline = time.monotonic() + _READ_RETRY_S
+        while True:
+            try:
+                holder = _read_lease(path)
+                if holder is not None:
+                    return holder, ""
+                return None, "gone"
+            except (OSError, ValueError) as err:  # ESTALE mid-rename, a file being created
+                problem = str(err)
+            if time.monotonic() > deadline:
+                return None, problem
+            time.sleep(0.1)
+
+    def _create(self, generation: int) -> bool:
+        """Create generation `generation`'s file with O_EXCL: True if this job created it."""
+        path = lease_path(self.run_dir, generation)
+        renewed = _clock()
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        self.generation = generation
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.record()) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:  # a full disk, say: leave nothing behind, name the file
+            path.unlink(missing_ok=True)
+            self.generation = 0
+            raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from err
+        self._renewed = renewed
+        return True
+
+    def _collect(self, generations: list[int]) -> None:
+        """Remove generations below the previous one: only the one just below can still have
+        a holder that runs (it stops itself at its next renewal, seeing this generation)."""
+        for generation in generations:
+            if generation < self.generation - 1:
+                with contextlib.suppress(OSError):
+                    lease_path(self.run_dir, generation).unlink()
+
+    # -- holding it ----------------------------------------------------------------------------
+
+    def _successor(self) -> dict[str, Any] | None:
+        """The record of generation N + 1 if it exists (a file still being written counts,
+        as an unknown job); raises OSError when it cannot be told."""
+        path = lease_path(self.run_dir, self.generation + 1)
+        try:
+            return _read_lease(path)
+        except ValueError:
+            return {"job": "unknown (its lease file is being written)", "generation": "?"}
 
     def _beat(self) -> None:
         while not self._stop.wait(self.timeout_s / 4):
-            holder = _read_json(self.path)
-            if holder is not None and not self.held_by_me(holder):
-                # Taken over while this job was silent (suspended, a stalled filesystem):
-                # never write over the new holder; checkpoints refuse to write (check()).
-                self.lost_to = f"job {holder.get('job')} (host {holder.get('host')})"
+            if self.stop_reason():
+                break  # silent for too long: a newcomer may already have judged it stale
+            try:
+                successor = self._successor()
+            except OSError as err:  # ESTALE, EIO: cannot tell, so do not write
+                log.warning("run dir lease: cannot read %s (%s): not renewing", self.run_dir, err)
+                continue
+            if successor is not None:
+                self.lost_to = _describe(successor)
                 log.error("run dir lease taken over by %s: this job must stop", self.lost_to)
-                return
-            self.mine["heartbeat"] = time.time()
-            with contextlib.suppress(OSError):  # a flaky filesystem: the next beat retries
-                _write_json(self.path, self.mine)
+                break
+            renewed = _clock()
+            try:
+                _write_json(self.path, self.record())
+            except OSError as err:
+                log.warning("run dir lease: cannot renew %s (%s)", self.path, err)
+                continue
+            self._renewed = renewed
+
+    def stop_reason(self) -> str:
+        """'' while this job holds the lease, else why it must stop (no I/O: cheap each step)."""
+        if self.lost_to:
+            return f"another job took the run dir's lease over: {self.lost_to}"
+        silent = _clock() - self._renewed
+        if self.generation and silent > 0.75 * self.timeout_s:
+            return (
+                f"the run dir's lease was last renewed {silent:.0f} s ago, more than 3/4 of "
+                f"run.lease_timeout_s={self.timeout_s:g}"
+            )
+        return ""
+
+    def valid(self) -> bool:
+        return not self.stop_reason()
 
     def check(self) -> None:
-        """Raise RunDirBusy when another job took the lease over (before writing anything)."""
+        """Raise unless this job may write to the run dir (call it right before each write):
+        RunDirBusy naming the new holder when another job took the lease over, LeaseExpired
+        when this job could not renew it in time and no one has taken it yet."""
+        reason = self.stop_reason()
+        if not reason:
+            return
+        if not self.lost_to:  # expired: name the new holder if there is one (a read only)
+            with contextlib.suppress(OSError):
+                successor = self._successor()
+                if successor is not None:
+                    self.lost_to = _describe(successor)
         if self.lost_to:
             raise RunDirBusy(
-                f"run.dir={self.path.parent} was taken over by {self.lost_to} while this job "
-                f"was silent for more than run.lease_timeout_s={self.timeout_s:g} s: stopping "
-                "without writing, so that the two jobs do not overwrite each other"
+                f"run.dir={self.run_dir} was taken over by {self.lost_to}, which owns it now: "
+                "stopping without writing anything more, so that the two jobs do not overwrite "
+                "each other. Do not restart this job in this run dir"
             )
+        raise LeaseExpired(
+            errno.ETIMEDOUT,
+            f"run.dir={self.run_dir}: {reason} (the filesystem failed the renewals, or this "
+            "process was stopped): stopping without writing; a restart of this job takes the "
+            "lease back at once",
+        )
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease if it is still this process's."""
+        """Stop renewing; remove the lease (and the generations below it) if it is still this
+        job's: no newer generation exists."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-            if self.held_by_me(_read_json(self.path)):
-                self.path.unlink(missing_ok=True)
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        with contextlib.suppress(OSError):
+            if self._successor() is None and not self.lost_to:
+                for generation in reversed(_generations(self.run_dir)):
+                    if generation <= self.generation:
+                        lease_path(self.run_dir, generation).unlink(missing_ok=True)
 
 
 def count_attempt(run_dir: Path, step: int, limit: int) -> int:
@@ -211,6 +488,21 @@ def count_attempt(run_dir: Path, step: int, limit: int) -> int:
         )
     _write_json(path, {"step": step, "attempts": attempts, "job": job_id()})
     return attempts
+
+
+def uncount_attempt(run_dir: Path) -> None:
+    """This attempt was asked to stop (a preemption): it does not count against the limit,
+    even if it dies before its checkpoint is written (torchrun's shutdown timeout, a
+    scheduler's KillWait, a second node's failure). Call once, when the stop is agreed: the
+    attempts that end otherwise (crashes, hangs) still count, so a crash loop still trips."""
+    path = run_dir / PROGRESS_FILE
+    record = _read_json(path)
+    if not record or int(record.get("attempts", 0)) < 1:
+        return
+    record["attempts"] = int(record["attempts"]) - 1
+    record["preempted"] = int(record.get("preempted", 0)) + 1  # for the reader: why not counted
+    with contextlib.suppress(OSError):  # the count is a safeguard: never the reason a stop fails
+        _write_json(path, record)
 
 
 def reset_attempts(run_dir: Path, step: int) -> None:
