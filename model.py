@@ -9,6 +9,7 @@ import difflib
 import inspect
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -186,6 +187,7 @@ def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.
         model = _torchvision(cfg.name, in_channels, num_classes, kwargs)
         what = f"model.name={cfg.name}"
     _check_forward(model, what, input_shape, num_classes)
+    _check_training(model, what, input_shape, num_classes)
     return model
 
 
@@ -210,14 +212,36 @@ def _torchvision(
 ) -> nn.Module:
     from torchvision import models
 
-    if name in ("googlenet", "inception_v3"):  # their auxiliary heads return tuples in training
+    if name in ("googlenet", "inception_v3"):
+        # Their auxiliary classifiers make training-mode outputs namedtuples of logits. This
+        # pipeline trains the main classifier only, as torchvision itself builds them for its
+        # pretrained weights (googlenet() and inception_v3() in torchvision/models/googlenet.py
+        # and inception.py set aux_logits False and the heads to None after loading); and its
+        # reference script (references/classification/train.py, train_one_epoch) passes the
+        # model's output straight to the criterion, so it has no recipe for them either.
         kwargs = {"aux_logits": False, **kwargs}
+    _check_patch_size(name, kwargs)
     try:  # weights=None: built untrained, nothing is downloaded
         model = models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, AssertionError) as err:
         raise ConfigError(f"model.name={name} with model.kwargs={kwargs}: {err}") from None
     adapt_stem(model, in_channels)
     return model
+
+
+def _check_patch_size(name: str, kwargs: dict[str, Any]) -> None:
+    """A ViT's image_size must be a multiple of its patch size (torchvision's
+    VisionTransformer asserts "Input shape indivisible by patch size!", naming neither)."""
+    vit = re.fullmatch(r"vit_[a-z]_(\d+)", name)  # vit_b_16: patches of 16x16 pixels
+    if vit is None:
+        return
+    patch, size = int(vit.group(1)), kwargs.get("image_size", 224)  # 224: torchvision's default
+    if not isinstance(size, int) or size % patch:
+        raise ConfigError(
+            f"model.name={name}: model.kwargs image_size={size!r} is not a multiple of its "
+            f"patch size {patch}; use a multiple of {patch} equal to the images' height and "
+            "width"
+        )
 
 
 def _first_conv(model: nn.Module) -> tuple[str, nn.Conv2d] | None:
@@ -288,17 +312,91 @@ def _check_forward(
         )
 
 
+def _check_training(
+    model: nn.Module, what: str, input_shape: Sequence[int], num_classes: int
+) -> None:
+    """One training-mode forward and backward of two samples, leaving no trace (buffers, random
+    generators and gradients restored): logits of shape (2, num_classes), and a gradient for
+    every trainable parameter, or bad input naming the output or the parameters.
+
+    A model may return something else in training mode only (torchvision's googlenet and
+    inception_v3 with aux_logits: namedtuples), which the eval-mode check cannot see. And a
+    parameter without a gradient makes DistributedDataParallel fail at the first step ("Expected
+    to have finished reduction in the prior iteration ..."; torch/nn/parallel/distributed.py)
+    unless find_unused_parameters is set, which costs a graph traversal every step and which
+    this pipeline does not expose: refused at any world size, so that a run does not work on
+    one rank and fail on two.
+    """
+    shape = "x".join(map(str, input_shape))
+    was_training = model.training
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.get_rng_state()
+    model.train()
+    try:
+        try:
+            out = model(torch.zeros(2, *input_shape))
+        except Exception as err:
+            raise ConfigError(
+                f"{what} fails in training mode on a batch of two {shape} inputs "
+                f"({type(err).__name__}: {err})"
+            ) from None
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            fix = (
+                "its auxiliary classifiers are on: leave aux_logits out of model.kwargs (or set "
+                "it false)"
+                if hasattr(model, "aux_logits")
+                else "return the logits alone in training mode as in evaluation"
+            )
+            raise ConfigError(
+                f"{what} returns {got} in training mode for a batch of two {shape} inputs, not "
+                f"logits of shape (2, {num_classes}): {fix}"
+            )
+        out.float().sum().backward()
+        unused = [
+            name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
+        ]
+        if unused:
+            listed = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if unused[8:] else "")
+            raise ConfigError(
+                f"{what} has parameters that get no gradient in training: {listed}. "
+                "DistributedDataParallel fails on them at the first step: remove them from the "
+                "model, or freeze them (requires_grad_(False))"
+            )
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for p in model.parameters():
+            p.grad = None
+        torch.set_rng_state(rng)
+        model.train(was_training)
+
+
 # ---------------------------------------------------------------------------------------------
 # Initial weights from a file
 
 
 def _classifier_keys(model: nn.Module) -> set[str]:
-    """The state-dict keys of the model's last Linear layer: its classifier."""
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
+    """The state-dict keys of the model's classifier: the last Linear or 1x1 convolution
+    registered (squeezenet's classifier is `classifier.1`, a 1x1 convolution whose output
+    channels are the classes), else the last Linear layer."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+    linears = [name for name, m in layers if isinstance(m, nn.Linear)]
+    name = layers[-1][0] if layers else None
+    if layers and isinstance(layers[-1][1], nn.Conv2d) and layers[-1][1].kernel_size != (1, 1):
+        name = linears[-1] if linears else None  # a body convolution, not a classifier
+    if name is None:
         return set()
-    prefix = f"{linears[-1]}." if linears[-1] else ""
+    prefix = f"{name}." if name else ""
     return {f"{prefix}weight", f"{prefix}bias"}
+
+
+def _dropped_heads(model: nn.Module, keys: list[str]) -> list[str]:
+    """Keys of submodules the model was built without: attributes it set to None, such as
+    googlenet's aux1/aux2 and inception_v3's AuxLogits with aux_logits=False. torchvision's own
+    builders drop them the same way after loading their weights (googlenet(), inception_v3())."""
+    return [key for key in keys if "." in key and getattr(model, key.split(".")[0], 0) is None]
 
 
 def _bare(state: Any) -> dict[str, torch.Tensor] | None:
@@ -360,6 +458,10 @@ def load_weights(model: nn.Module, path: str) -> None:
         if key not in state and not key.endswith("num_batches_tracked")  # older files lack it
     ]
     unexpected = [key for key in state if key not in own]
+    dropped = _dropped_heads(model, unexpected)
+    unexpected = [key for key in unexpected if key not in dropped]
+    for key in dropped:
+        del kept[key]
     problems = [
         f"{label}: {', '.join(keys[:8])}{f' and {len(keys) - 8} more' if len(keys) > 8 else ''}"
         for label, keys in (
@@ -381,3 +483,11 @@ def load_weights(model: nn.Module, path: str) -> None:
         if replaced
         else "",
     )
+    if dropped:
+        heads = sorted({key.split(".")[0] for key in dropped})
+        log.info(
+            "left out %d tensors of %s: the model is built without %s (aux_logits=False)",
+            len(dropped),
+            path,
+            ", ".join(heads),
+        )

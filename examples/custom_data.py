@@ -10,6 +10,11 @@ tensor, uint8 (normalised on the device with `mean` and `std`) or float (used as
 pipeline shards, shuffles, augments (random crop and flip, data.augment) and resumes it; keep
 random draws out of `__getitem__`, or a resumed run would differ from an uninterrupted one.
 
+Labels are ints in [0, num_classes) (or -100, for a sample no loss counts); `mean` and `std`
+are in [0, 1] units, one per channel. Both are checked before training: the labels when the
+dataset lists them (a `labels` or `targets` attribute, as here, or a plain list of samples),
+else each as its sample loads, naming the sample's index and value.
+
 This one reads IDX files (the MNIST family's format, gzipped or not) with NumPy.
 """
 
@@ -43,7 +48,8 @@ def read_idx(path: Path) -> np.ndarray:
 
 
 class IdxImages(Dataset):
-    """Images (N, H, W) and labels (N,) from a pair of IDX files, served as uint8 (1, H, W)."""
+    """Images (N, H, W) and labels (N,) from a pair of IDX files, served as uint8 (1, H, W).
+    `labels` holds every label: the pipeline checks them all before training from it."""
 
     def __init__(self, images: Path, labels: Path, limit: int = 0) -> None:
         self.images = torch.from_numpy(read_idx(images).copy())

@@ -7,6 +7,9 @@ The factory is called with the data's `in_channels` and `num_classes`, plus mode
 returns any torch.nn.Module mapping a float batch (N, C, H, W) to logits (N, num_classes); the
 pipeline wraps it in DistributedDataParallel, autocast, torch.compile and channels_last as
 configured. Dropout and every other random draw are fine: checkpoints carry the generators.
+At start-up one batch goes through it in training mode too: it must return the logits alone
+there as well (no tuple of auxiliary outputs), and every parameter that requires a gradient
+must get one (DDP fails on one that does not; freeze it with requires_grad_(False)).
 """
 
 from __future__ import annotations

@@ -362,11 +362,11 @@ ONE_BY_8 = {
         (
             {
                 "train": [(torch.zeros(1, 8, 8), 5)],
-                "eval": [],
+                "eval": [(torch.zeros(1, 8, 8), 0)],
                 "num_classes": 2,
                 "input_shape": (1, 8, 8),
             },
-            r"train\[0\]'s label 5 is not in \[0, 2\)",
+            r"train\[0\] has label 5: labels must be ints in \[0, 2\)",
         ),
         (
             {
@@ -412,3 +412,194 @@ def test_fingerprint_reads_factory_images_of_any_dtype() -> None:
     changed = [(image + 1, label) for image, label in samples]
     other = data.DataSplits(changed, samples, (1, 2, 2), 2, (0.5,), (0.5,))  # type: ignore[arg-type]
     assert data.fingerprint(splits) != data.fingerprint(other)
+
+
+# ---------------------------------------------------------------------------------------------
+# A data.factory's labels, normalisation, shape and kwargs, checked before training
+
+
+def eight(label: Any, dtype: torch.dtype = torch.uint8) -> tuple[torch.Tensor, Any]:
+    return torch.zeros(1, 8, 8, dtype=dtype), label
+
+
+class Lazy(torch.utils.data.Dataset):
+    """A dataset with no list of labels to read: each is seen only when its sample loads."""
+
+    def __init__(self, labels: list[Any]) -> None:
+        self.labels_of = labels
+
+    def __len__(self) -> int:
+        return len(self.labels_of)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]:
+        return eight(self.labels_of[index])
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [(3, "3"), (-1, "-1"), (1.0, "1.0"), (torch.tensor([0, 1]), r"tensor\(\[0, 1\]\)")],
+)
+@pytest.mark.parametrize("holder", ["list", "targets", "ImageTensors"])
+def test_a_bad_label_past_sample_0_is_bad_input_naming_its_index_and_value(
+    monkeypatch, bad, shown, holder
+) -> None:
+    """Before: sample 0 alone was checked, and such a label failed at its step inside
+    cross_entropy or the collate function, naming no sample."""
+    labels: list[Any] = [0, 1, 2, 0, 1, bad, 2]
+    if holder == "ImageTensors":
+        if not isinstance(bad, int):
+            pytest.skip("ImageTensors holds int64 labels only")
+        train: Any = data.ImageTensors(
+            torch.zeros(7, 1, 8, 8, dtype=torch.uint8), torch.tensor(labels)
+        )
+    elif holder == "targets":
+        train = Lazy(labels)
+        train.targets = labels  # type: ignore[attr-defined]
+    else:
+        train = [eight(label) for label in labels]
+    made = {"train": train, "eval": [eight(0)], "num_classes": 3, "input_shape": (1, 8, 8)}
+    cfg = user_factory(monkeypatch, lambda root, n: made)
+    with pytest.raises(
+        ConfigError,
+        match=(
+            rf"make: train\[5\] has label {shown}: labels must be "
+            r"ints in \[0, 3\)"
+        ),
+    ):
+        data.build_datasets(cfg, 0, info())
+
+
+def test_labels_not_listed_are_checked_as_each_sample_loads(monkeypatch) -> None:
+    made = {
+        "train": Lazy([0, 1] * 4),
+        "eval": Lazy([0, 1, 1, 0, 0, 1, 0, 3]),
+        "num_classes": 2,
+        "input_shape": (1, 8, 8),
+    }
+    cfg = user_factory(monkeypatch, lambda root, n: made)
+    splits = data.build_datasets(cfg, 0, info())
+    assert [label for _, label in (splits.eval[i] for i in range(7))] == [0, 1, 1, 0, 0, 1, 0]
+    with pytest.raises(data.BadLabel, match=r"make: eval\[7\] has label 3"):
+        splits.eval[7]
+    loader = data.build_eval_loader(splits, dataclasses.replace(cfg, eval_batch_size=4), info(), 0)
+    with pytest.raises(data.BadLabel, match=r"eval\[7\] has label 3"):  # through the loader
+        list(loader)
+
+
+def test_integer_labels_of_any_kind_and_the_ignore_label_are_accepted(monkeypatch, caplog) -> None:
+    labels = [np.int64(1), torch.tensor(2), torch.tensor([0]), np.uint8(1), 2, -100]
+    made = {
+        "train": Lazy(labels),  # no list: each is converted as it loads
+        "eval": [eight(label) for label in labels],  # a list: checked before training
+        "num_classes": np.int64(3),  # NumPy's integers are counts too
+        "input_shape": (np.int64(1), 8, 8),
+    }
+    cfg = user_factory(monkeypatch, lambda root, n: made)
+    splits = data.build_datasets(cfg, 0, info())
+    assert splits.num_classes == 3 and type(splits.num_classes) is int
+    assert [splits.train[i][1] for i in range(6)] == [1, 2, 0, 1, 2, -100]
+    images, batch = next(
+        iter(data.build_eval_loader(splits, dataclasses.replace(cfg, eval_batch_size=6), info(), 0))
+    )
+    assert batch.tolist() == [1, 2, 0, 1, 2, -100] and batch.dtype == torch.int64
+    assert "eval: 1 of 6 samples are labelled -100 (the ignore label)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"mean": (128.0,), "std": (0.3,)},
+            r"mean=128.0 is outside 0 <= mean <= 1: .*divide them by 255",
+        ),
+        ({"std": (64.0,)}, r"std=64.0 is outside 0 < std <= 1: .*0..255 units"),
+        ({"std": (0.0,)}, r"std=0.0 is outside 0 < std <= 1"),
+        ({"mean": (0.5, 0.5)}, r"mean=0.5,0.5 has 2 values; the data has 1 channels"),
+        ({"std": (float("nan"),)}, r"std=nan holds a value that is not a finite number"),
+    ],
+)
+def test_a_factory_mean_and_std_are_checked(monkeypatch, extra, message) -> None:
+    """Before: 0..255 units were accepted, a wrong length failed with a traceback at the first
+    batch, and std=0 trained on infinities reported as a divergence."""
+    made = {"train": [eight(0)] * 4, "eval": [eight(1)], "num_classes": 2, "input_shape": (1, 8, 8)}
+    cfg = user_factory(monkeypatch, lambda root, n: {**made, **extra})
+    with pytest.raises(ConfigError, match=rf"data.factory=user_data_for_test:make: {message}"):
+        data.build_datasets(cfg, 0, info())
+
+
+def test_mean_and_std_for_float_images_are_refused_as_they_would_be_ignored(monkeypatch) -> None:
+    made = {
+        "train": [eight(0, torch.float32)] * 4,
+        "eval": [eight(1, torch.float32)],
+        "num_classes": 2,
+        "input_shape": (1, 8, 8),
+        "mean": (0.5,),
+    }
+    cfg = user_factory(monkeypatch, lambda root, n: made)
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"mean=\(0.5,\) is given for float images, which are "
+            r"used as they are"
+        ),
+    ):
+        data.build_datasets(cfg, 0, info())
+
+
+def test_an_input_shape_in_hwc_order_is_refused_naming_it(monkeypatch) -> None:
+    """Before: HWC images with a matching HWC input_shape trained as 16 channels of 16x1."""
+    hwc = [(torch.zeros(16, 16, 1, dtype=torch.uint8), 0)] * 4
+    made = {"train": hwc, "eval": hwc, "num_classes": 2, "input_shape": (16, 16, 1)}
+    cfg = user_factory(monkeypatch, lambda root, n: made)
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"input_shape=\(16, 16, 1\) looks like \(H, W, C\), not "
+            r"\(C, H, W\): it would train as 16 channels of 16x1 pixels"
+        ),
+    ):
+        data.build_datasets(cfg, 0, info())
+
+
+def test_a_data_kwargs_typo_is_bad_input_naming_the_key(monkeypatch) -> None:
+    """Before: a TypeError traceback from the factory's call (exit 1), while the same typo in
+    model.kwargs was bad input (exit 2)."""
+    module = types.ModuleType("user_data_typo")
+
+    def make(*, root: str, limit: int = 0) -> dict:
+        return {
+            "train": [eight(0)] * 4,
+            "eval": [eight(1)],
+            "num_classes": 2,
+            "input_shape": (1, 8, 8),
+        }
+
+    module.make = make  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "user_data_typo", module)
+    cfg = DataConfig(factory="user_data_typo:make", kwargs='{"limt": 5}')
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"data.factory=user_data_typo:make cannot be called with "
+            r"data.kwargs=\{\"limt\": 5\}: .*'limt'; did you mean limit\?"
+        ),
+    ):
+        data.build_datasets(cfg, 0, info())
+
+
+def test_a_bad_label_in_an_in_memory_dataset_is_named_before_training(monkeypatch) -> None:
+    def synthetic_with_a_bad_label(cfg: DataConfig) -> data.DataSplits:
+        splits = data._synthetic(cfg)
+        splits.eval.labels[37] = 10  # type: ignore[attr-defined]
+        return splits
+
+    monkeypatch.setitem(data._BUILDERS, "synthetic", synthetic_with_a_bad_label)
+    cfg = DataConfig(dataset="synthetic", synthetic_eval_size=64)
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"data.dataset=synthetic: eval\[37\] has label 10: "
+            r"labels must be ints in \[0, 10\)"
+        ),
+    ):
+        data.build_datasets(cfg, 0, info())

@@ -212,3 +212,135 @@ def test_a_weights_file_that_would_run_code_is_refused(tmp_path) -> None:
     assert not marker.exists()
     with pytest.raises(ConfigError, match="does not exist"):
         models.load_weights(model, str(tmp_path / "absent.pt"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-mode outputs, unused parameters, torchvision's aux-logit and convolutional heads
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "head", "dropped"),
+    [
+        ("googlenet", 64, "fc", ("aux1.", "aux2.")),
+        ("inception_v3", 80, "fc", ("AuxLogits.",)),
+        ("squeezenet1_0", 64, "classifier.1", ()),
+    ],
+)
+def test_torchvision_models_fine_tune_from_torchvision_state_dicts(
+    tmp_path, name, size, head, dropped
+) -> None:
+    """A state dict as torchvision's own model holds it (aux heads on, 1000 classes), built here
+    with random weights instead of downloaded: the body loads, the aux heads are left out as
+    torchvision's builders leave them out for aux_logits=False (googlenet() and inception_v3()
+    in torchvision/models/googlenet.py, inception.py), and the classifier (a 1x1 convolution for
+    squeezenet) starts untrained for the 5 classes."""
+    torch.manual_seed(3)
+    extra = {} if name.startswith("squeezenet") else {"init_weights": False}
+    saved = torchvision.models.get_model(name, weights=None, num_classes=1000, **extra).state_dict()
+    path = tmp_path / f"{name}.pt"
+    torch.save(saved, path)
+    torch.manual_seed(4)
+    model = models.build(ModelConfig(name=name), (3, size, size), 5)
+    classifier = model.get_submodule(head).weight.clone()
+    models.load_weights(model, str(path))
+    own = model.state_dict()
+    body = [k for k in saved if not k.startswith((f"{head}.", *dropped))]
+    assert body and all(torch.equal(own[k], saved[k]) for k in body)
+    assert torch.equal(model.get_submodule(head).weight, classifier)  # as built, 5 classes
+    model.train()
+    assert model(torch.rand(2, 3, size, size)).shape == (2, 5)  # plain logits to train on
+
+
+def test_aux_logits_turned_on_are_refused_with_the_fix() -> None:
+    # Before: accepted, and step 1 crashed in cross_entropy on a GoogLeNetOutputs.
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"googlenet returns GoogLeNetOutputs in training mode.*"
+            r"leave aux_logits out of model.kwargs"
+        ),
+    ):
+        models.build(ModelConfig(name="googlenet", kwargs='{"aux_logits": true}'), (3, 64, 64), 5)
+
+
+USER_MODELS = """
+import torch
+from torch import nn
+
+class WithFeatures(nn.Module):
+    def __init__(self, in_channels, num_classes):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.LazyLinear(8))
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        features = self.body(x)
+        logits = self.head(features)
+        return (logits, features) if self.training else logits
+
+class Unused(nn.Module):
+    def __init__(self, in_channels, num_classes):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+        self.projection = nn.Linear(4, 4)  # never called
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)  # frozen: fine for DDP
+
+    def forward(self, x):
+        return self.head(x)
+
+def with_features(*, in_channels, num_classes):
+    return WithFeatures(in_channels, num_classes)
+
+def unused(*, in_channels, num_classes):
+    return Unused(in_channels, num_classes)
+"""
+
+
+def test_a_factory_returning_a_tuple_in_training_is_refused(tmp_path, monkeypatch) -> None:
+    name = write_module(tmp_path, monkeypatch, USER_MODELS)
+    expected = (
+        rf"model.factory={name}:with_features returns tuple in training mode for a batch of two "
+        r"1x4x4 inputs, not logits of shape \(2, 3\)"
+    )
+    with pytest.raises(ConfigError, match=expected):
+        models.build(ModelConfig(factory=f"{name}:with_features"), (1, 4, 4), 3)
+
+
+def test_parameters_without_gradient_are_refused_naming_them(tmp_path, monkeypatch) -> None:
+    """DDP (find_unused_parameters=False) raises at the first step on a parameter that got no
+    gradient and advises an option this pipeline does not have: named before training."""
+    name = write_module(tmp_path, monkeypatch, USER_MODELS)
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"no gradient in training: projection.weight, "
+            r"projection.bias\. DistributedDataParallel"
+        ),
+    ):
+        models.build(ModelConfig(factory=f"{name}:unused"), (1, 4, 4), 3)
+
+
+def test_the_training_check_leaves_weights_buffers_and_generator_as_built() -> None:
+    torch.manual_seed(0)
+    reference = MiniResNet(in_channels=1, num_classes=10, widths=(8, 16), dropout=0.5)
+    after_building = torch.get_rng_state()
+    torch.manual_seed(0)
+    model = models.build(ModelConfig(widths=(8, 16), dropout=0.5), (1, 28, 28), 10)
+    assert torch.equal(torch.get_rng_state(), after_building)  # the dropout draws undone
+    theirs = reference.state_dict()
+    for key, mine in model.state_dict().items():
+        assert torch.equal(mine, theirs[key]), key  # BatchNorm statistics too
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_vit_image_size_not_a_multiple_of_its_patch_is_bad_input_naming_both() -> None:
+    # torchvision asserts "Input shape indivisible by patch size!" (VisionTransformer.__init__):
+    # before, an AssertionError traceback, exit 1.
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"vit_b_16: model.kwargs image_size=40 is not a "
+            r"multiple of its patch size 16"
+        ),
+    ):
+        models.build(ModelConfig(name="vit_b_16", kwargs='{"image_size": 40}'), (3, 40, 40), 5)

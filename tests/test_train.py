@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -209,11 +210,15 @@ def test_new_checkpointed_state_is_one_registration(tmp_path) -> None:
     assert torch.equal(second.loaded["mean"], first.mean)
 
 
-def test_syncbatch_on_cpu_ranks_is_refused() -> None:
-    cfg = parse_args(["--model.norm=syncbatch"])
-    splits = train.data.DataSplits(None, None, (1, 28, 28), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="model.norm=syncbatch needs CUDA"):
-        train.build_model(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
+def test_syncbatch_on_cpu_ranks_is_refused_with_advice_the_model_takes() -> None:
+    """model.norm=group is mini_resnet's only (config refuses it for any other model): the
+    advice for a torchvision model is batch alone (before: "batch or group" for every model)."""
+    splits = train.data.DataSplits(None, None, (3, 32, 32), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
+    for model, advice in [([], "batch or group"), (["--model.name=resnet18"], "batch")]:
+        cfg = parse_args(["--model.norm=syncbatch", *model])
+        with pytest.raises(ConfigError, match=rf"needs CUDA .*; use model.norm={advice} on CPU$"):
+            train.build_model(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
+        parse_args([f"--model.norm={advice.split()[-1]}", *model])  # the advice is accepted
 
 
 def test_fresh_run_in_a_used_run_dir_is_refused(tmp_path) -> None:
@@ -357,3 +362,31 @@ def test_turning_the_weight_average_on_at_a_resume_starts_it_from_the_resumed_we
     without_ledger = {key: value for key, value in saved.items() if key != "ledger"}
     with pytest.raises(checkpoint.CheckpointError, match="c.pt lacks ledger"):
         manager.restore(Path("c.pt"), without_ledger)
+
+
+def test_samples_labelled_ignore_are_named_as_such_not_as_unreadable_images(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A data.factory's samples labelled -100 (cross_entropy's ignore_index) are left out of
+    the evaluation's count; the warning said "unreadable images" (data.bad_images=skip's
+    cause) for them. Of 32 samples, 5 are labelled -100: 27 counted, by hand."""
+    import types
+
+    labels = [-100 if i % 7 == 3 else i % 2 for i in range(32)]  # 3, 10, 17, 24, 31: ignored
+    samples = [(torch.full((1, 8, 8), 60 + 100 * max(y, 0), dtype=torch.uint8), y) for y in labels]
+    module = types.ModuleType("ignored_labels_for_test")
+    module.make = lambda root: {  # type: ignore[attr-defined]
+        "train": samples * 2,
+        "eval": samples,
+        "num_classes": 2,
+        "input_shape": (1, 8, 8),
+    }
+    monkeypatch.setitem(sys.modules, "ignored_labels_for_test", module)
+    factory = ["--data.factory=ignored_labels_for_test:make", *TINY[3:], "--train.epochs=1"]
+    cfg = parse_args([f"--run.dir={tmp_path}", *factory])
+    handler = resilience.PreemptionHandler(cfg.run.preempt_signals)
+    with caplog.at_level("WARNING"), train.Trainer(cfg, ONE, handler) as trainer:
+        summary = trainer.fit()
+    assert summary["eval_num_samples"] == 27
+    assert "evaluated 27 of the 32 samples: 5 are labelled -100, the ignore label" in caplog.text
+    assert "unreadable" not in caplog.text

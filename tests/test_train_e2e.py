@@ -25,6 +25,7 @@ from helpers import (
 )
 
 import data
+import imagefolder
 
 pytestmark = pytest.mark.e2e
 
@@ -442,7 +443,14 @@ def test_unreadable_images_are_skipped_counted_and_named_when_asked(tmp_path, jp
     assert str(root / "train" / "coat" / "broken.jpg") in skipped.output
     assert str(root / "val" / "dress" / "broken.jpg") in skipped.output
     assert "evaluated 101 of the 102 samples: 1 unreadable images were left out" in skipped.output
-    assert rows(tmp_path / "run", "eval")[-1]["num_samples"] == 101
+    evaluated = rows(tmp_path / "run", "eval")[-1]
+    assert evaluated["num_samples"] == 101
+    # The epoch trains on the first 400 of its permutation of the 401 files (10 steps of 40):
+    # the broken one is not trained on when it is among them (before, it was counted).
+    paths = [path for path, _ in imagefolder.scan(root / "train")[1]]
+    order = torch.randperm(401, generator=torch.Generator().manual_seed(0))[:400].tolist()
+    trained = 400 - (paths.index(str(root / "train" / "coat" / "broken.jpg")) in order)
+    assert evaluated["epoch_samples_seen"] == trained
 
 
 @needs_fashion_mnist
@@ -478,3 +486,105 @@ def test_device_decoding_trains_exactly_as_the_workers_do_and_resumes(
     assert [(r["step"], r["loss"], r["num_samples"]) for r in ours] == [
         (r["step"], r["loss"], r["num_samples"]) for r in theirs
     ]
+
+
+BAD_EVAL_LABEL = """
+import os
+import torch
+
+class Samples(torch.utils.data.Dataset):
+    \"\"\"1x8x8 images of two classes, without a list of labels for the pipeline to read
+    ahead: each label is checked as its sample loads.\"\"\"
+
+    def __init__(self, n, seed, bad_index=None):
+        generator = torch.Generator().manual_seed(seed)
+        self.targets_of = torch.randint(0, 2, (n,), generator=generator)
+        noise = torch.randint(0, 40, (n, 1, 8, 8), generator=generator)
+        self.images = (noise + 100 * self.targets_of.view(n, 1, 1, 1)).to(torch.uint8)
+        self.bad_index = bad_index
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        label = 7 if index == self.bad_index else int(self.targets_of[index])
+        return self.images[index], label
+
+def make(*, root):
+    bad = os.path.exists(os.path.join(root, "bad"))  # the user fixes the data: removes it
+    return {
+        "train": Samples(64, 1),
+        "eval": Samples(40, 2, bad_index=5 if bad else None),
+        "num_classes": 2,
+        "input_shape": (1, 8, 8),
+    }
+"""
+
+
+def test_a_bad_evaluation_label_keeps_the_epoch_trained_and_names_the_sample(tmp_path) -> None:
+    """Before: the label failed inside cross_entropy after the whole epoch and before its
+    checkpoint (exit 1, no index named); every restart trained the epoch again. Now the epoch
+    is checkpointed (owing its evaluation), the run exits 2 naming the sample, and once the
+    data is fixed the same command evaluates and ends without training again. The checkpoint
+    equals an uninterrupted run's on good data, bit for bit (2 ranks: sample 5 is on rank 1's
+    shard only, so the ranks must agree on the failure)."""
+    (tmp_path / "bad_eval_label.py").write_text(BAD_EVAL_LABEL)
+    root = tmp_path / "root"
+    root.mkdir()
+    args = [
+        "--data.factory=bad_eval_label:make",
+        f"--data.root={root}",
+        "--data.batch_size=8",
+        "--data.eval_batch_size=8",
+        "--train.epochs=1",
+        "--data.num_workers=0",
+        "--log.tensorboard=false",
+        "--model.widths=8,16",
+    ]
+    env = {"PYTHONPATH": str(tmp_path)}
+    reference = launch(2, f"--run.dir={tmp_path / 'reference'}", *args, env=env)
+    assert reference.returncode == 0, reference.output[-4000:]
+    (root / "bad").touch()
+    run_dir = tmp_path / "run"
+    failed = launch(2, f"--run.dir={run_dir}", *args, env=env)
+    assert failed.returncode != 0 and "exitcode: 2" in failed.output, failed.output[-4000:]
+    assert "make: eval[5] has label 7: labels must be ints in [0, 2)" in failed.output
+    assert "evaluation failed; checkpoint of step 4 written" in failed.output
+    saved = final_state(run_dir)
+    assert saved["pending_eval"] and saved["step"] == 4  # 64 samples / (2 ranks x 8)
+    assert_same_training_state(saved, final_state(tmp_path / "reference"))
+    (root / "bad").unlink()
+    fixed = launch(2, f"--run.dir={run_dir}", *args, env=env)
+    assert fixed.returncode == 0, fixed.output[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_4.pt'}" in fixed.output
+    same = ("step", "loss", "accuracy", "num_samples", "epoch_samples_seen", "epoch_sample_digest")
+    resumed, uninterrupted = rows(run_dir, "eval")[-1], rows(tmp_path / "reference", "eval")[-1]
+    assert {key: resumed[key] for key in same} == {key: uninterrupted[key] for key in same}
+
+
+def test_a_data_kwargs_typo_is_bad_input_naming_the_key(tmp_path) -> None:
+    """Before: a TypeError traceback from the factory's call, exit 1 (a model.kwargs typo was
+    already exit 2). The example factory fails on the key before it reads a file."""
+    proc = launch(
+        None,
+        f"--run.dir={tmp_path / 'run'}",
+        "--data.factory=examples.custom_data:idx_images",
+        f"--data.root={tmp_path}",
+        '--data.kwargs={"limt": 20000}',
+    )
+    assert proc.returncode == 2, proc.output[-4000:]
+    assert "unexpected keyword argument 'limt'; did you mean limit?" in proc.output
+    assert "Traceback" not in proc.output
+
+
+def test_an_evaluation_set_smaller_than_the_world_size_is_evaluated_exactly(tmp_path) -> None:
+    """Before: rank 1's empty shard raised StopIteration at start-up (the FLOP count read a
+    batch of it) and the default configuration ended with exit 1. Now rank 1 evaluates
+    nothing and the one sample is counted once."""
+    run_dir = tmp_path / "run"
+    args = ["--data.dataset=synthetic", "--data.synthetic_train_size=128"]
+    args += ["--data.synthetic_eval_size=1", "--data.batch_size=16", "--train.epochs=1"]
+    done = launch(2, f"--run.dir={run_dir}", *args, *SMALL[:2], "--log.tensorboard=false")
+    assert done.returncode == 0, done.output[-4000:]
+    (row,) = rows(run_dir, "eval")
+    assert row["num_samples"] == 1 and row["accuracy"] in (0.0, 1.0)
