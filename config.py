@@ -1,17 +1,19 @@
 """Configuration: one frozen, documented dataclass per concern, composed into `Config`.
 
 Every field is set from the command line (`--section.field=value` or `--section.field value`)
-or a TOML file (`--config FILE.toml`, the same dotted keys as tables). Precedence: command line >
-file > defaults. Parsing is tyro's (help from the attribute docstrings below, nearest-key
-suggestions for typos); lists are comma-separated and booleans are true/false. Every value is
-checked in `__post_init__`, before any process group exists, so a typo costs seconds instead of
-a queued multi-node job.
+or TOML files (`--config FILE.toml`, the same dotted keys as tables; several files are merged).
+Precedence: command line > files > defaults. Parsing is tyro's (help from the attribute
+docstrings below); lists are comma-separated and booleans are true/false. An unknown key is
+named with the nearest known one (`nearest_key`), every value is checked in `__post_init__`,
+and a setting that this run would ignore is refused (`check_given`), all before any process
+group exists, so a typo costs seconds instead of a queued multi-node job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import io
@@ -88,7 +90,11 @@ def load_factory(key: str, spec: str) -> Callable[..., Any]:
 
 
 MINI_RESNET = "mini_resnet"
-SIGNAL_NAMES = "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught)"
+NO_SIGNALS = "none"  # run.preempt_signals=none: no preemption checkpoint
+SIGNAL_NAMES = (
+    "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught), or none "
+    "alone for no preemption checkpoint"
+)
 
 
 class _Section:
@@ -129,7 +135,8 @@ class RunConfig(_Section):
     """signals that make every rank checkpoint at the next step boundary
     and exit with code 75, however often and to whichever processes they
     are sent (torchrun forwards SIGTERM to its workers; SIGINT is
-    Ctrl-C)"""
+    Ctrl-C); none = no preemption checkpoint (an empty value is refused:
+    it is more often an unset variable than a wish)"""
     lease_timeout_s: float = 120.0
     """one job per run.dir: a lease held by a job whose heartbeat is older
     than this (its holder died) is taken over; a live holder's is
@@ -142,6 +149,8 @@ class RunConfig(_Section):
     def __post_init__(self) -> None:
         self._require("dir", bool(self.dir.strip()), "give a directory path")
         object.__setattr__(self, "dir", os.path.expanduser(self.dir))  # ~ = home, not ./~
+        if self.preempt_signals == (NO_SIGNALS,):  # off, by name (parse_args refuses '')
+            object.__setattr__(self, "preempt_signals", ())
         catchable = set(signal.Signals.__members__) - {"SIGKILL", "SIGSTOP"}
         self._require("preempt_signals", set(self.preempt_signals) <= catchable, SIGNAL_NAMES)
         self._require("lease_timeout_s", finite(self.lease_timeout_s) >= 5, "give >= 5 seconds")
@@ -156,7 +165,7 @@ class DataConfig(_Section):
     _name: ClassVar[str] = "data"
 
     dataset: Literal["fashion_mnist", "cifar10", "imagefolder", "synthetic"] = "fashion_mnist"
-    """which dataset to train and evaluate on (unless data.factory is set)"""
+    """which dataset to train and evaluate on; not with data.factory"""
     factory: str = ""
     """your own data instead: package.module:function, imported from the
     current directory or PYTHONPATH and called as function(root=data.root,
@@ -290,7 +299,8 @@ class ModelConfig(_Section):
     model.widths, blocks_per_stage, norm, dropout), or a torchvision
     classification builder such as resnet18, resnet50, convnext_tiny,
     efficientnet_b0, vit_b_16 (--model.list prints them all), built
-    untrained for the dataset's classes and channels"""
+    untrained for the dataset's classes and channels; not with
+    model.factory"""
     factory: str = ""
     """your own model instead: package.module:function, imported from the
     current directory or PYTHONPATH and called as
@@ -304,7 +314,8 @@ class ModelConfig(_Section):
     weights_only): a classifier for another number of classes is
     replaced, a 3-channel stem fitted to the data's channels; any other
     missing, unexpected or misshapen key is an error. Nothing is ever
-    downloaded"""
+    downloaded. The file must exist; a run that resumes from a checkpoint
+    does not load it (the checkpoint holds the weights) and warns"""
     widths: tuple[int, ...] = (16, 32, 64)
     """mini_resnet: channels of each residual stage; each stage after the
     first halves the resolution"""
@@ -335,6 +346,10 @@ class ModelConfig(_Section):
         self._require("dropout", 0 <= finite(self.dropout) < 1, "must be in [0, 1)")
         self._require("name", bool(re.fullmatch(r"\w+", self.name)), "e.g. resnet18")
         object.__setattr__(self, "weights", os.path.expanduser(self.weights))
+        # Checked even where a checkpoint will be resumed instead: a wrong path is a typo, and
+        # the same command line starts the next, fresh run.
+        weights_ok = not self.weights or os.path.isfile(self.weights)
+        self._require("weights", weights_ok, "no such file: give a local state dict file")
         self._require_factory()
         if self.factory or self.name != MINI_RESNET:  # the MiniResNet fields would do nothing
             for name in ("widths", "blocks_per_stage", "stem_stride", "dropout"):
@@ -342,6 +357,11 @@ class ModelConfig(_Section):
                 self._require(name, unchanged, f"shapes {MINI_RESNET} only: use model.kwargs")
             batch = self.norm in ("batch", "syncbatch")
             self._require("norm", batch, f"{self.norm} is for {MINI_RESNET} only")
+
+    @property
+    def source(self) -> str:
+        """The model as the user chose it: model.factory=... or model.name=..."""
+        return f"model.factory={self.factory}" if self.factory else f"model.name={self.name}"
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
@@ -541,9 +561,9 @@ class LogConfig(_Section):
 
 @dataclass(frozen=True)
 class Config:
-    """Train a model data-parallel. Every key below can also come from a TOML file,
-    --config FILE.toml, as [section] tables; the command line beats the file, which
-    beats the defaults."""
+    """Train a model data-parallel. Every key below can also come from TOML files,
+    --config FILE.toml (more than one are merged), as [section] tables; the command line
+    beats the files, which beat the defaults."""
 
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -676,8 +696,13 @@ def _spellings(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
         parse, metavar = _SCALARS.get(item, (str, "STR"))
 
         def parse_list(args: list[str]) -> tuple[Any, ...]:
+            parts = [part.strip() for part in args[0].split(",")]
+            if parts == [""]:
+                return ()  # empty: each list field's doc says what that means, or refuses it
+            if "" in parts:  # 16,,32 is a slip, not 16,32
+                raise ValueError(f"{args[0]!r} has an empty element: remove the extra comma")
             try:
-                return tuple(parse(part.strip()) for part in args[0].split(",") if part.strip())
+                return tuple(parse(part) for part in parts)
             except ValueError:
                 expected = f"a comma-separated list ({metavar},...)"
                 raise ValueError(f"{args[0]!r} is not {expected}") from None
@@ -693,7 +718,10 @@ def _spellings(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """A TOML file as dotted keys (`[train] epochs = 3` and `"train.epochs" = 3` alike)."""
+    """A TOML file as dotted keys (`[train] epochs = 3` and `"train.epochs" = 3` alike). One
+    key spelled both ways is refused: tomllib keeps both (the quoted key is one name with a
+    dot in it), and which one was meant is not for the parser to guess. A bare dotted key and
+    a table (`train.epochs = 3` and `[train]`) tomllib refuses itself."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -709,9 +737,16 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         flat: dict[str, Any] = {}
         for name, value in table.items():
             if isinstance(value, dict) and f"{prefix}{name}" not in KWARGS_KEYS:
-                flat.update(flatten(value, f"{prefix}{name}."))
+                items = flatten(value, f"{prefix}{name}.")
             else:
-                flat[f"{prefix}{name}"] = value
+                items = {f"{prefix}{name}": value}
+            for key, item in items.items():
+                if key in flat:
+                    raise ConfigError(
+                        f"config file {str(path)!r}: {key} is set twice (a quoted dotted key and "
+                        "a table): keep one"
+                    )
+                flat[key] = item
         return flat
 
     return flatten(table, "")
@@ -766,26 +801,214 @@ def _spelled_type(annotation: Any) -> str:
     return names.get(annotation, str(annotation))
 
 
-def split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
-    """`--config FILE` (or `--config=FILE`) out of argv, and the rest."""
+def split_config_flag(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Every `--config FILE` (or `--config=FILE`) out of argv, in order, and the rest."""
     rest: list[str] = []
-    config_file: str | None = None
+    config_files: list[str] = []
     args = iter(argv)
     for arg in args:
-        if arg == "--config":
-            config_file = next(args, None)
-            if config_file is None:
-                raise ConfigError("missing value for '--config': write --config=FILE.toml")
-        elif arg.startswith("--config="):
-            config_file = arg.removeprefix("--config=")
-        else:
+        if arg != "--config" and not arg.startswith("--config="):
             rest.append(arg)
-    return config_file, rest
+            continue
+        path = next(args, None) if arg == "--config" else arg.removeprefix("--config=")
+        if path is None:
+            raise ConfigError("missing value for '--config': write --config=FILE.toml")
+        if not path.strip():  # an unset variable; Path("") would be "." ("is a directory")
+            raise ConfigError(f"--config: {path!r} (empty) names no file: write --config=FILE.toml")
+        config_files.append(path)
+    return config_files, rest
+
+
+def nearest_key(key: str) -> str | None:
+    """The known `section.field` key closest to `key`, or None when none is close.
+
+    Section and field are scored apart (difflib's ratio, the lower of the two), so a
+    misspelt section or field still finds its key while a shared section alone
+    (optim.learning_rate, optim.min_lr_ratio) does not. tyro 1.0's own suggestion scores the
+    whole `--key=value` token (`_backends/_tyro_help_formatting.py`, cutoff 0.8), so whether a
+    typo got one depended on the length of its value."""
+    wanted = key.lower()
+    wanted_section, _, wanted_field = wanted.rpartition(".")
+
+    def score(known: str) -> float:
+        section, field_name = known.split(".")
+        if not wanted_section:  # --epochs: a field without its section
+            return difflib.SequenceMatcher(a=wanted_field, b=field_name).ratio()
+        return min(
+            difflib.SequenceMatcher(a=wanted_section, b=section).ratio(),
+            difflib.SequenceMatcher(a=wanted_field, b=field_name).ratio(),
+        )
+
+    best = max(field_types(), key=score)
+    return best if score(best) >= 0.6 else None  # difflib.get_close_matches' default cutoff
+
+
+def _options(args: list[str]) -> list[tuple[str, str]]:
+    """(key, value as typed) of each `--key=value` or `--key value` in `args`: every field
+    takes exactly one value, so the word after a bare `--key` is its value.
+    Keys as the dataclasses spell them (tyro also takes --data.batch-size). Unknown keys and
+    stray words are refused, each with the nearest known key."""
+    known = field_types()
+    found = []
+    words = iter(args)
+    for word in words:
+        if word in ("-h", "--help"):
+            continue
+        if not word.startswith("--"):
+            name, _, value = word.partition("=")
+            near = nearest_key(name)
+            hint = f"; did you mean --{near}{'=' * bool(value)}{value}?" if near else ""
+            raise ConfigError(f"unexpected argument {word!r}: options start with --{hint}")
+        typed, has_value, value = word[2:].partition("=")
+        key = typed.replace("-", "_")
+        if key not in known:
+            near = nearest_key(key)
+            hint = f"; did you mean --{near}?" if near else ""
+            raise ConfigError(f"unknown option {word}{hint} (--help lists every key)")
+        if not has_value:
+            following = next(words, None)
+            if following is None or following.startswith("--"):  # the next option, no value
+                raise ConfigError(f"missing value for {word}: write {word}=VALUE")
+            value = following
+        found.append((key, value))
+    return found
+
+
+def _file_args(config_files: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The config files' keys as command-line arguments, and the file that set each key.
+    Several files are merged; a key set in two of them is refused, naming both (which one
+    should win is not obvious from the command line). Unknown keys are named with the nearest
+    known one."""
+    known = field_types()
+    args: list[str] = []
+    origin: dict[str, str] = {}
+    for path in config_files:
+        source = f"config file {path!r}"
+        values = load_toml(path)
+        for key, value in values.items():
+            if key not in known:
+                near = nearest_key(key)
+                hint = f"; did you mean {near}?" if near else " (--help lists every key)"
+                raise ConfigError(f"{source}: unknown key {key} = {value!r}{hint}")
+            if key in origin:
+                raise ConfigError(
+                    f"{key} is set in {origin[key]} and in {source}: set it in one file (or on "
+                    "the command line, which beats both)"
+                )
+            origin[key] = source
+        args += as_args(values, source)
+    return args, origin
+
+
+# Keys whose empty value the type allows but which is refused: `--run.preempt_signals=$SIGS`
+# with the variable unset would turn the preemption checkpoint off without a word.
+_NOT_EMPTY = {"run.preempt_signals": f"write {NO_SIGNALS} for no preemption checkpoint"}
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """Fields that only some runs use: `keys` do something only where `applies(cfg)` (which
+    `users` describes); `chosen(cfg)` names what this run chose instead."""
+
+    keys: tuple[str, ...]
+    users: str
+    applies: Callable[[Config], bool]
+    chosen: Callable[[Config], str]
+
+
+def _data(cfg: Config) -> str:
+    return cfg.data.source
+
+
+def _dataset_is(*names: str) -> Callable[[Config], bool]:
+    return lambda cfg: cfg.data.source in {f"data.dataset={name}" for name in names}
+
+
+_TORCHVISION_DATASETS = ("fashion_mnist", "cifar10")
+_SCOPES = (
+    _Scope(("data.dataset",), "a run without data.factory", lambda c: not c.data.factory, _data),
+    _Scope(
+        ("model.name",),
+        "a run without model.factory",
+        lambda c: not c.model.factory,
+        lambda c: c.model.source,
+    ),
+    _Scope(
+        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.bad_images", "data.decode"),
+        "data.dataset=imagefolder",
+        _dataset_is("imagefolder"),
+        _data,
+    ),
+    _Scope(  # an image folder crops with RandomResizedCrop (data.crop_scale) instead
+        ("data.crop_padding",),
+        "datasets other than imagefolder",
+        lambda c: not _dataset_is("imagefolder")(c),
+        _data,
+    ),
+    _Scope(
+        tuple(key for key in field_types() if key.startswith("data.synthetic_")),
+        "data.dataset=synthetic",
+        _dataset_is("synthetic"),
+        _data,
+    ),
+    _Scope(
+        ("data.download",),
+        " and ".join(f"data.dataset={name}" for name in _TORCHVISION_DATASETS),
+        _dataset_is(*_TORCHVISION_DATASETS),
+        _data,
+    ),
+    _Scope(
+        ("optim.betas",),
+        "optim.name=adamw",
+        lambda c: c.optim.name == "adamw",
+        lambda c: f"optim.name={c.optim.name}",
+    ),
+    _Scope(
+        ("optim.momentum", "optim.nesterov"),
+        "optim.name=sgd",
+        lambda c: c.optim.name == "sgd",
+        lambda c: f"optim.name={c.optim.name}",
+    ),
+    _Scope(
+        ("model.widths", "model.blocks_per_stage", "model.stem_stride", "model.dropout"),
+        f"model.name={MINI_RESNET}",
+        lambda c: c.model.source == f"model.name={MINI_RESNET}",
+        lambda c: c.model.source,
+    ),
+)
+
+
+def check_given(cfg: Config, given: dict[str, str], origin: dict[str, str]) -> None:
+    """Refuse each setting given explicitly (`given`: key -> value as typed) that this run
+    would accept and then ignore, naming it, where it came from and what ignores it. Given
+    explicitly, not merely different from its default: `--model.name=mini_resnet` beside
+    model.factory is ignored just the same."""
+    problems = []
+    for scope in _SCOPES:
+        ignored = [key for key in scope.keys if key in given]
+        if not ignored or scope.applies(cfg):
+            continue
+        settings = ", ".join(
+            f"{origin[key] + ': ' if key in origin else ''}{key}={given[key]}" for key in ignored
+        )
+        verb, fix = ("is", "remove one of the two") if len(ignored) == 1 else ("are", "remove them")
+        problems.append(
+            f"{settings} {verb} for {scope.users} only, and this run has {scope.chosen(cfg)}: {fix}"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _check_not_empty(given: dict[str, str], origin: dict[str, str]) -> None:
+    for key, fix in _NOT_EMPTY.items():
+        value = given.get(key)
+        if value is not None and not value.strip():
+            where = f"{origin[key]}: " if key in origin else ""
+            raise ConfigError(f"{where}{key}: '' (empty) is refused: {fix}")
 
 
 def _plain(box: str) -> str:
-    """tyro's error box as one line: its first section (the reason), and the nearest key it
-    suggests, if any."""
+    """tyro's error box as one line: its first section (the reason)."""
     sections: list[list[str]] = [[]]
     for line in box.splitlines()[1:]:  # the first line is the box's title
         text = line.strip().strip("│").strip()
@@ -797,29 +1020,18 @@ def _plain(box: str) -> str:
     if not parts:
         return box.strip()
     reason = re.sub(r"^Error parsing (--[\w.]+): ", r"\1: ", parts[0])  # the key, then the value
-    reason = re.sub(r"^Error parsing [\w.]+: ", "", reason)  # a section's or Config's check
-    suggestion = next((p for p in parts[1:] if p.startswith("Perhaps you meant:")), "")
-    nearest = re.search(r"--[\w.]+", suggestion)
-    return f"{reason}; did you mean {nearest.group()}?" if nearest else reason
+    return re.sub(r"^Error parsing [\w.]+: ", "", reason)  # a section's or Config's check
 
 
-def parse_args(argv: list[str] | None = None, prog: str = "train.py") -> Config:
-    """The command line (default sys.argv[1:]) over the --config file over the defaults, in
-    one tyro pass (the file's keys first: a later key wins), then checked. A rejected input
-    prints tyro's explanation (the key or value, the nearest keys, the field's help) and
-    raises ConfigError with the reason on one line, naming the config file when the key came
-    from it. --help prints the help and exits 0."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    config_file, cli_args = split_config_flag(argv)
-    file_args: list[str] = []
-    if config_file is not None and not {"-h", "--help"} & set(cli_args):
-        file_args = as_args(load_toml(config_file), f"config file {config_file!r}")
+def _tyro(args: list[str], prog: str) -> Config:
+    """tyro over Config with this project's spellings; its explanation of a refused value
+    goes to stderr, and a ConfigError carries the reason on one line."""
     explained = io.StringIO()
     try:
         with contextlib.redirect_stderr(explained):
             return tyro.cli(
                 Config,
-                args=[*file_args, *cli_args],
+                args=args,
                 prog=prog,
                 registry=_REGISTRY,
                 use_underscores=True,  # --data.batch_size, as the fields are spelled
@@ -829,11 +1041,33 @@ def parse_args(argv: list[str] | None = None, prog: str = "train.py") -> Config:
         if exit.code in (0, None):  # --help
             raise
         sys.stderr.write(explained.getvalue())
-        reason = _plain(explained.getvalue())
-        from_file = {arg.split("=", 1)[0] for arg in file_args}
-        from_cli = {arg.split("=", 1)[0] for arg in cli_args}
-        named = set(re.findall(r"--[\w.]+", reason))
-        named |= {f"--{key}" for key in re.findall(r"for ([a-z]+\.\w+):", reason)}
-        if named & (from_file - from_cli):
-            raise ConfigError(f"config file {config_file!r}: {reason}") from None
-        raise ConfigError(reason) from None
+        raise ConfigError(_plain(explained.getvalue())) from None
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "train.py") -> Config:
+    """The command line (default sys.argv[1:]) over the --config files over the defaults, in
+    one tyro pass (the files' keys first: a later key wins), then checked. Unknown keys are
+    refused first, each with the nearest known key; then the values (tyro's explanation of a
+    refused value goes to stderr); then settings this run would ignore. Every refusal is a
+    ConfigError with the reason on one line, naming the config file when the key came from
+    one. --help prints the help and exits 0."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config_files, cli_args = split_config_flag(argv)
+    if {"-h", "--help"} & set(cli_args):
+        return _tyro(cli_args, prog)
+    file_args, origin = _file_args(config_files)
+    cli = dict(_options(cli_args))
+    given = dict(_options(file_args)) | cli
+    origin = {key: source for key, source in origin.items() if key not in cli}
+    _check_not_empty(given, origin)
+    try:
+        cfg = _tyro([*file_args, *cli_args], prog)
+    except ConfigError as err:
+        named = set(re.findall(r"--([\w.]+)", str(err)))
+        named |= set(re.findall(r"for ([a-z]+\.\w+):", str(err)))
+        from_files = sorted({origin[key] for key in named & origin.keys()})
+        if from_files:
+            raise ConfigError(f"{', '.join(from_files)}: {err}") from None
+        raise
+    check_given(cfg, given, origin)
+    return cfg

@@ -115,6 +115,10 @@ class Trainer:
         self.preprocess = data.Preprocess(splits, info.device, self.auto.channels_last)
         self.num_train = len(splits.train)  # type: ignore[arg-type]
         self.num_eval = len(splits.eval)  # type: ignore[arg-type]
+        # What an evaluation leaves out: an image folder's unreadable images (bad_images=skip),
+        # else samples labelled data.IGNORED by a data.factory.
+        self.eval_from_folder = data.folder_of(splits.eval) is not None
+        self.input_shape = splits.input_shape
         self.position = state.Position()
         self.steps_per_epoch = self.steps_left_in_epoch(consumed=0)
         if self.steps_per_epoch == 0:
@@ -155,7 +159,10 @@ class Trainer:
         self.guard = resilience.StepGuard(
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
         )
-        writer = MetricsWriter(self.run_dir, info.is_main, cfg.log.tensorboard)
+        # Rank 0 writes metrics only while it holds the run dir (a lost lease stops the run at
+        # the next step; until then its rows are dropped, never written over the new holder's).
+        holds_run_dir = lease.valid if lease is not None else None
+        writer = MetricsWriter(self.run_dir, info.is_main, cfg.log.tensorboard, holds_run_dir)
         self.instruments = Instruments(
             cfg,
             info,
@@ -220,7 +227,7 @@ class Trainer:
             # One small all-reduce: skip the step if any rank's loss or gradient is not
             # finite, stop after it if any rank received a preemption signal.
             verdict = self.guard.agree(
-                stats.loss_sum, stats.grad_norm, self.preemption.received, self.position.step + 1
+                stats.loss_sum, stats.grad_norm, self.stop_reason(), self.position.step + 1
             )
             timer.agreed(stats, verdict.skip)
             engine.apply_update(self.optimizer, self.scaler, skip=verdict.skip)
@@ -240,6 +247,13 @@ class Trainer:
         resumed = self.checkpoints.resume()
         if resumed is None and self.cfg.model.weights:
             self.load_weights(self.cfg.model.weights)
+        if resumed is not None and self.cfg.model.weights and self.info.is_main:
+            log.warning(
+                "model.weights=%s is not loaded: the run resumes from %s, which holds the "
+                "weights (start a new run.dir to fine-tune from the file)",
+                self.cfg.model.weights,
+                resumed.path,
+            )
         if resumed is not None:
             self.pending_eval = resumed.pending_eval
             log.info(
@@ -269,11 +283,13 @@ class Trainer:
                 warmup,
             )
         # Once resuming is settled (a refused run changes no file), before anything is trained.
-        check_progress(self.cfg, self.info, self.position.step)
+        check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
         distributed.run_on_main(
             self.info,
             f"writing {self.run_dir / 'config.json'}",
-            lambda: write_settled(self.cfg, self.run_dir, self.position.step),
+            lambda: write_settled(
+                self.cfg, self.run_dir, self.position.step, self.checkpoints.lease
+            ),
         )
         log.info(
             "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
@@ -289,8 +305,10 @@ class Trainer:
         )
         self.instruments.open(self.position.step, self.pending_eval)
         if self.cfg.log.mfu:
-            images, labels = next(iter(self.eval_loader))
-            sample, _ = self.preprocess(images[:2], labels[:2])
+            # Zeros of the data's shape (the count depends on shapes only): a rank's share of
+            # the evaluation set is empty when it has fewer samples than there are ranks.
+            zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
+            sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
             self.instruments.count_flops(
                 self.model, sample, self.loss_fn, self.amp_dtype or torch.float32
             )
@@ -338,6 +356,8 @@ class Trainer:
             self.batches = iter(self.train_loader)
             self.model.train()
         images, labels, indices = next(self.batches)
+        if labels.device.type == "cpu":  # skipped images (IGNORED) are not trained on
+            indices = indices[labels != engine.IGNORED]  # (only a DataLoader yields them)
         self.ledger.add(indices)
         return self.preprocess(images, labels)
 
@@ -356,8 +376,18 @@ class Trainer:
             distributed.average_buffers(self.model)
         self.pending_eval = False
 
+        failed: list[Exception] = []
+
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for images, labels in self.eval_loader:
+            loaded = iter(self.eval_loader)
+            while True:
+                try:
+                    images, labels = next(loaded)
+                except StopIteration:
+                    return
+                except Exception as err:  # a bad sample: raised once the epoch is saved
+                    failed.append(err)
+                    return
                 self.instruments.phase("evaluation")
                 yield self.preprocess(images, labels)
 
@@ -366,16 +396,31 @@ class Trainer:
             result = engine.evaluate(
                 evaluated, batches(), self.info.device, self.amp_dtype, self.cfg.data.eval_flip
             )
+        self.save_if_evaluation_failed(failed[0] if failed else None)
         self.instruments.log_eval(result, self.ledger)
         if result.num_samples < self.num_eval:
             log.warning(
-                "evaluated %d of the %d samples: %d unreadable images were left out "
-                "(data.bad_images=skip; each is named above)",
+                "evaluated %d of the %d samples: %d %s",
                 result.num_samples,
                 self.num_eval,
                 self.num_eval - result.num_samples,
+                "unreadable images were left out (data.bad_images=skip; each is named above)"
+                if self.eval_from_folder
+                else f"are labelled {engine.IGNORED}, the ignore label (data.factory)",
             )
         return result
+
+    def save_if_evaluation_failed(self, error: Exception | None) -> None:
+        """Collective: when loading an evaluation sample failed on any rank (a label out of
+        range, a corrupt image), checkpoint the trained state, owing this evaluation, then raise
+        on every rank (exit 2 for bad input, naming the sample): the epoch's training is kept,
+        and once the data is fixed the resumed run evaluates first, then trains on."""
+        flag = torch.tensor([float(error is not None)], device=self.info.device)
+        if distributed.all_reduce_sum(flag).item() == 0:
+            return
+        self.save(pending_eval=True, wait=True)
+        log.error("evaluation failed; checkpoint of step %d written", self.position.step)
+        distributed.raise_if_any_failed(self.info, error, "loading the evaluation set")
 
     def save(
         self, accuracy: float | None = None, pending_eval: bool = False, wait: bool = False
@@ -399,6 +444,9 @@ class Trainer:
         if signal_name is None:
             return
         step = self.position.step
+        lease = self.checkpoints.lease  # a lost lease stops here too: then write nothing
+        if self.info.is_main and (lease is None or lease.valid()):  # a stop, not a failure,
+            rundir.uncount_attempt(self.run_dir)  # even if the save below is killed
         at_segment_end = self.steps_left_in_epoch() == 0 or step == self.total_steps
         if at_segment_end:
             distributed.average_buffers(self.model)
@@ -411,9 +459,17 @@ class Trainer:
         )
         raise resilience.Preempted(signal_name, step)
 
+    def stop_reason(self) -> str | None:
+        """Why this rank wants to stop after this step: a preemption signal, or (rank 0) a run
+        dir lease this job no longer holds. The step's vote carries it to every rank; stop_if's
+        checkpoint is then refused by rank 0's lease check, which fails every rank with the
+        lease's message (exit 2 when another job took the run dir over), writing nothing."""
+        lease = self.checkpoints.lease
+        return self.preemption.received or (lease.stop_reason() if lease else "") or None
+
     def stop_requested(self) -> str | None:
         """Collective: the preemption signal some rank received (outside the step's vote)."""
-        received = self.preemption.received
+        received = self.stop_reason()
         flag = torch.tensor([float(received is not None)], device=self.info.device)
         if distributed.all_reduce_sum(flag).item() == 0:
             return None
@@ -511,9 +567,13 @@ def build_model(
     model = models.build(cfg.model, splits.input_shape, splits.num_classes)
     if cfg.model.norm == "syncbatch" and info.world_size > 1:
         if info.device.type != "cuda":
+            # SyncBatchNorm.forward refuses CPU tensors ("expected input tensor to be on GPU
+            # or XPU", torch/nn/modules/batchnorm.py). group is mini_resnet's only (config).
+            mini = not cfg.model.factory and cfg.model.name == models.MINI_RESNET
+            other = "batch or group" if mini else "batch"
             raise ConfigError(
-                "model.norm=syncbatch needs CUDA devices (SyncBatchNorm runs on "
-                "GPUs only); use model.norm=batch or group on CPU"
+                "model.norm=syncbatch needs CUDA devices (SyncBatchNorm runs on GPUs only); "
+                f"use model.norm={other} on CPU"
             )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if channels_last else torch.preserve_format
@@ -560,9 +620,11 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
 # The run dir and the launcher
 
 
-def write_settled(cfg: Config, run_dir: Path, step: int) -> None:
+def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | None = None) -> None:
     """Once resuming is settled: the config, and where an explicit ckpt.resume started the run
     (restarts repeating the command then continue from the run's own checkpoints)."""
+    if lease is not None:
+        lease.check()  # another job took the run dir over: write nothing
     payload = (cfg.to_json() + "\n").encode()
     checkpoint.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
     resume = cfg.ckpt.resume
@@ -572,15 +634,21 @@ def write_settled(cfg: Config, run_dir: Path, step: int) -> None:
         rundir.record_origin(run_dir, resume, step)
 
 
-def check_progress(cfg: Config, info: DistInfo, step: int) -> None:
+def check_progress(
+    cfg: Config, info: DistInfo, step: int, lease: rundir.Lease | None = None
+) -> None:
     """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together."""
     message = None
     if info.is_main:
         try:
+            if lease is not None:
+                lease.check()  # progress.json is written only while this job holds the dir
             rundir.count_attempt(Path(cfg.run.dir), step, cfg.run.max_attempts_without_progress)
         except rundir.NoProgress as err:
             message = str(err)
-        except OSError as err:  # the count is a safeguard: never the reason a run fails
+        # The count is a safeguard: never the reason a run fails. A lost lease stops the run
+        # at its first step (stop_reason), on every rank.
+        except (OSError, rundir.RunDirBusy) as err:
             log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
     message = distributed.broadcast_object(message)
     if message is not None:
@@ -699,7 +767,13 @@ def main(argv: list[str] | None = None) -> int:
     except (resilience.DivergedError, FloatingPointError) as err:
         log.error("%s", err)
         return exitcodes.EXIT_DIVERGED
-    except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError, OSError) as err:
+    except OSError as err:  # by errno: NFS's ESTALE mid-run is retryable, a wrong path is not
+        log.error("%s", exitcodes.describe_os_error(err))
+        code = exitcodes.exit_for_os_error(err)
+        if code == exitcodes.EXIT_BAD_INPUT:
+            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        return code
+    except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError) as err:
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
         report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT

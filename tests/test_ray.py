@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from helpers import REPO, assert_same_training_state, final_state, launch, rows
 
 if not os.environ.get("CI"):  # under CI the ray group is part of the set-up (scripts/test.sh)
@@ -81,13 +86,16 @@ def preempted_and_resumed_steps(output: str) -> tuple[list[int], list[int]]:
     return preempted, resumed
 
 
-def ray_command(*args: str, max_failures: int = 2) -> list[str]:
+def ray_command(*args: str, max_failures: int = 2, own: tuple[str, ...] = ()) -> list[str]:
+    """ray_train.py's command line: a local cluster and 2 workers unless `own` says otherwise
+    (the last of a repeated option wins, argparse's rule)."""
     return [
         sys.executable,
         "ray_train.py",
         "--address=local",
         "--workers=2",
         f"--max-failures={max_failures}",
+        *own,
         "--",
         *args,
     ]
@@ -136,7 +144,7 @@ def test_a_killed_ray_worker_is_restarted_and_the_run_ends_equal_to_an_uninterru
     run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
     proc = start(run_dir, log)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 420  # starting Ray takes minutes on a busy machine
         while True:
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             assert proc.poll() is None, log.read_text()[-4000:]
@@ -169,7 +177,7 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_same_command_resum
     run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
     proc = start(run_dir, log)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 420  # starting Ray takes minutes on a busy machine
         while not list((run_dir / "checkpoints").glob("step_*.pt")):
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             assert proc.poll() is None, log.read_text()[-4000:]
@@ -189,7 +197,7 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_same_command_resum
     assert any(step % 8 for step in saved) or max(saved) > 8, saved
 
     proc = start(run_dir, tmp_path / "again.log")
-    assert proc.wait(timeout=300) == 0, (tmp_path / "again.log").read_text()[-4000:]
+    assert proc.wait(timeout=480) == 0, (tmp_path / "again.log").read_text()[-4000:]
     _, resumed = preempted_and_resumed_steps((tmp_path / "again.log").read_text())
     assert resumed == [max(saved)]
     assert_same_as(run_dir, reference)
@@ -221,7 +229,7 @@ def test_bad_input_found_by_the_workers_exits_2_without_retrying(tmp_path: Path)
         env=ray_env(),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=480,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
@@ -229,3 +237,335 @@ def test_bad_input_found_by_the_workers_exits_2_without_retrying(tmp_path: Path)
     # One attempt: each rank started once, and Ray's failure policy never ran.
     assert len(set(re.findall(r"ray_train.py: attempt \S+ rank \d/2: train.py", output))) == 2
     assert "[FailurePolicy]" not in output
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def wait_for_first_checkpoint(run_dir: Path, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 420  # starting Ray's actors takes minutes on a busy machine
+    while not (
+        list((run_dir / "checkpoints").glob("step_*.manifest.json"))
+        and train_processes(0)
+        and train_processes(1)
+    ):
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-4000:]
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests the cluster cannot hold
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("request_", ["cpus", "gpus"])
+def test_a_local_request_beyond_this_machine_exits_2_naming_the_shortfall(
+    tmp_path: Path, request_: str
+) -> None:
+    """More ranks than cores, or a GPU each where torch.cuda.device_count() has none: exit 2
+    naming the option and what the machine has, before any cluster starts. Before, the local
+    cluster was sized to the request (CPUs: ranks time-sliced on too few cores) or the worker
+    group waited for a GPU that never comes, retried every 60 s forever."""
+    cores = len(os.sched_getaffinity(0))
+    if request_ == "cpus":
+        own, named = (f"--workers={cores + 1}",), [f"--workers={cores + 1}", f"{cores} cores"]
+    else:
+        if torch.cuda.device_count() >= 2:
+            pytest.skip("this machine has the GPUs")
+        own, named = ("--gpus-per-worker=1",), ["--gpus-per-worker=1", "device_count() is"]
+    result = subprocess.run(
+        ray_command(f"--run.dir={tmp_path / 'run'}", *JOB, own=own),
+        cwd=REPO,
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert all(text in result.stderr for text in named), result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """A Ray cluster without an autoscaler (ray.cluster_utils.Cluster: `ray start` processes on
+    this machine): a head with no CPUs (the driver's node) and one node of 2 CPUs for the
+    workers. Its processes read RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S from this environment (the
+    drain watcher's poll, 5 s by default in ray/train/v2/_internal/constants.py): 1 s here."""
+    from ray.cluster_utils import Cluster
+
+    saved = os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S")
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"
+    small = {"object_store_memory": 100 * 2**20}
+    for attempt in range(3):
+        ray_cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, **small},
+        )
+        try:
+            ray_cluster.add_node(num_cpus=2, **small)
+            ray_cluster.wait_for_nodes()
+            break
+        except Exception:  # Ray gives a raylet 30 s to register (ray/_private/node.py): busy CI
+            ray_cluster.shutdown()
+            if attempt == 2:
+                raise
+    try:
+        yield ray_cluster
+    finally:
+        ray_cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", None)
+        else:
+            os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = saved
+
+
+@pytest.mark.slow
+def test_more_workers_than_a_cluster_without_autoscaler_holds_exits_2(
+    tmp_path: Path, cluster: Any
+) -> None:
+    """3 workers of 1 CPU on a node of 2 CPUs and a head of none: the nodes hold 2. Without
+    an autoscaler nothing will come: exit 2 naming the request and what the nodes hold. Before,
+    Ray Train's controller waited 60 s for the placement group, then tried again, forever
+    (FailureConfig.controller_failure_limit -1:
+    ray/train/v2/_internal/execution/failure_handling/default.py)."""
+    result = subprocess.run(
+        ray_command(
+            f"--run.dir={tmp_path / 'run'}",
+            *JOB,
+            own=(f"--address={cluster.address}", "--workers=3"),
+        ),
+        cwd=REPO,
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert "--workers=3" in result.stderr and "hold 2" in result.stderr, result.stderr[-3000:]
+    assert "no autoscaler" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray's own view of the run: checkpoints and metrics
+
+
+@pytest.mark.slow
+def test_every_checkpoint_is_reported_to_ray_with_its_metrics(
+    tmp_path: Path, reference: Path
+) -> None:
+    """Each checkpoint train.py writes reaches Ray through ray.train.report (every worker calls
+    it, rank 0 with the checkpoint: ray/train/v2/api/train_fn_utils.py, report): the Result's
+    checkpoint holds the final step's file, bytes equal to the torchrun run's final state, and
+    its metrics are that run's last evaluation."""
+    run_dir = tmp_path / "ray"
+    result = subprocess.run(
+        ray_command(f"--run.dir={run_dir}", *JOB),
+        cwd=REPO,
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    found = re.search(r"Ray's result: checkpoint (\S+), metrics (\{.*\})", output)
+    assert found, output[-5000:]
+    checkpoint, metrics = Path(found[1]), json.loads(found[2])
+    last_eval = rows(reference, "eval")[-1]
+    final = final_state(reference)["step"]
+    assert metrics["step"] == final == last_eval["step"]
+    assert metrics["eval/accuracy"] == last_eval["accuracy"]
+    assert metrics["eval/loss"] == last_eval["loss"]
+    assert checkpoint.is_relative_to(run_dir / "ray")
+    state = torch.load(checkpoint / f"step_{final}.pt", weights_only=True)
+    assert_same_training_state(state, final_state(reference))
+    # Every checkpoint still on disk when the workers look (once a second) is reported; one
+    # that train.py wrote and pruned (ckpt.keep=2) in between is not: under load a run of
+    # {8, 16, ..., 64} reported {8, 16, 24, 32, 56, 64}. The newest two always are.
+    reported = {int(s) for s in re.findall(r"reported the checkpoint of step (\d+)", output)}
+    assert {final - 8, final} <= reported, reported
+
+
+# ---------------------------------------------------------------------------------------------
+# Stops: node drains, the launcher's own signals, a killed driver
+
+
+def raylet_of(pid: int, cluster: Any) -> Any:
+    """The cluster node whose raylet is an ancestor of `pid`."""
+    raylets = {
+        node.all_processes["raylet"][0].process.pid: node for node in cluster.list_all_nodes()
+    }
+    while pid > 1:
+        if pid in raylets:
+            return raylets[pid]
+        pid = parent_of(pid)
+    raise AssertionError("not a process of this cluster")
+
+
+@pytest.mark.slow
+def test_a_node_drain_stops_the_ranks_at_once_and_spends_the_preemption_budget(
+    tmp_path: Path, cluster: Any
+) -> None:
+    """A real drain (GcsClient.drain_node with DRAIN_NODE_REASON_PREEMPTION and a deadline, as
+    the autoscaler does for a spot reclaim: ray/autoscaler/v2/instance_manager/subscribers/
+    ray_stopper.py) of the node holding the ranks: Ray Train's PreemptionWatcher marks the
+    workers, they stop train.py at once (a checkpoint at the step of the notice, long before
+    the deadline, reported to Ray), and Ray charges the attempt to its preemption budget
+    (PreemptionError), not to --max-failures: with --max-preemptions=0 the launcher ends with
+    75 though 3 failures were still allowed. Before, the notice was not passed on: the ranks
+    trained on until Ray tore them down at the deadline (here they finish first)."""
+    import ray._raylet
+    from ray.core.generated import autoscaler_pb2
+
+    run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
+    command = ray_command(
+        f"--run.dir={run_dir}",
+        *JOB,
+        max_failures=3,
+        own=(f"--address={cluster.address}", "--max-preemptions=0"),
+    )
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=ray_env(), stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for_first_checkpoint(run_dir, proc, log)
+        node = raylet_of(train_processes(0)[0], cluster)
+        steps_at_drain = [r["step"] for r in rows(run_dir, "train")]
+        accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+            node.node_id,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "test: spot reclaim",
+            int(time.time() * 1000) + 45_000,
+        )
+        assert accepted, why
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text()
+    assert code == 75, output[-5000:]
+    assert "interrupted by node preemption" in output, output[-5000:]
+    preempted, _ = preempted_and_resumed_steps(output)
+    assert len(set(preempted)) == 1, output[-5000:]
+    # The stop came with the notice: a few log intervals after the newest train row at the
+    # drain (the run has 128 steps; the watcher polls every second).
+    assert preempted[0] <= max(steps_at_drain, default=0) + 4 * 4, (steps_at_drain, output)
+    assert (run_dir / "checkpoints" / f"step_{preempted[0]}.pt").exists()
+    assert f"reported the checkpoint of step {preempted[0]} to Ray" in output
+    assert not launch_processes()
+
+
+@pytest.mark.slow
+def test_the_shim_arms_its_own_parent_death_signal(tmp_path: Path) -> None:
+    """The Ray worker is threaded, so it starts the shim without `preexec_fn` (subprocess's
+    documentation: not safe in the presence of threads); the shim sets PR_SET_PDEATHSIG on
+    itself. A plain parent that starts the shim and is SIGKILLed: the shim dies with it and
+    the command under the shim gets the stop signal (it writes it down). Before, only the
+    parent's preexec_fn armed the shim: without it, the shim outlived its parent."""
+    import ray_train
+
+    assert "preexec_fn" not in inspect.getsource(ray_train.worker_loop)
+    got = tmp_path / "got"
+    child = (
+        "import signal, sys, time, pathlib\n"
+        f"out = pathlib.Path({str(got)!r})\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: (out.write_text('SIGTERM'), sys.exit(0)))\n"
+        "out.with_name('ready').write_text('')\n"
+        "time.sleep(120)\n"
+    )
+    parent = (
+        "import os, subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, 'ray_train.py', '_shim', str(os.getpid()), 'SIGTERM',"
+        f" sys.executable, '-c', {child!r}])\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        started = descendants(proc.pid)
+        assert len(started) == 2  # the shim and its command
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(map(alive, started)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(alive, started))
+        assert got.read_text() == "SIGTERM"
+    finally:
+        for pid in {proc.pid, *started}:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_after_a_sigkill_of_the_driver_nothing_it_started_keeps_running(tmp_path: Path) -> None:
+    """SIGKILL to ray_train.py alone mid-run (a local cluster): the Ray processes it started
+    share its fate (ray._private.services: fate_share, PR_SET_PDEATHSIG), the Ray workers go
+    with their raylet, the shims with their workers, and train.py, told by its shim's death,
+    checkpoints and exits: within a bound nothing of the launch is left."""
+    run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
+    proc = start(run_dir, log)
+    started: set[int] = set()
+    try:
+        wait_for_first_checkpoint(run_dir, proc, log)
+        started = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 420  # train.py checkpoints first: slow when busy
+        while (any(map(alive, started)) or launch_processes()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = {
+            pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in started if alive(pid)
+        }
+        assert not left and not launch_processes(), (left, log.read_text()[-3000:])
+    finally:
+        for pid in {*started, *launch_processes()}:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_stop_whose_ranks_left_no_checkpoint_does_not_exit_75(tmp_path: Path) -> None:
+    """SIGTERM to ray_train.py, and the ranks SIGKILLed before they could checkpoint (the OOM
+    killer, a failed save): no rank reported a checkpoint (train.py's TRAIN_PREEMPT_MARKER),
+    so the launcher does not say 75 "preempted, resume": it exits 128 + SIGTERM, with nothing
+    left running. Before, it waited out rank 0's stale lease and exited 75."""
+    run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
+    proc = start(run_dir, log)
+    try:
+        wait_for_first_checkpoint(run_dir, proc, log)
+        ranks = train_processes(0) + train_processes(1)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert code == 128 + signal.SIGTERM, output[-5000:]
+    assert "stopped (SIGTERM): exit 143" in output
+    assert not launch_processes()
