@@ -52,10 +52,20 @@ def compile_model(setting: str, device: torch.device) -> bool:
 
 
 def channels_last(setting: str, device: torch.device) -> bool:
-    """model.channels_last: auto = on for CUDA (tensor cores read NHWC) and CPU (so do
-    oneDNN's convolutions: +22% to +54% samples/s for the default job on 2 CPU cores,
-    BENCHMARKS.md)."""
-    return setting == "on" or (setting == "auto" and device.type in ("cuda", "cpu"))
+    """model.channels_last: auto = on for CUDA (tensor cores read NHWC) and for CPUs with
+    AVX-512 (oneDNN's NHWC convolutions there: +22% to +54% samples/s for the default job on 2
+    cores, BENCHMARKS.md); off on other CPUs.
+
+    Why not every CPU: on an AVX2-only CPU (torch 2.14.1's oneDNN, kernel
+    jit_avx2_1x1_convolution_bwd_weights_t) the weight gradient of a channels_last 1x1
+    stride-2 convolution with fewer than 8 input channels on 28x28 inputs (a MiniResNet
+    shortcut of width 4) spins forever or aborts with "double free or corruption"
+    (tests/test_auto.py reproduces it), and NHWC was never measured to help there."""
+    if setting != "auto":
+        return setting == "on"
+    if device.type == "cpu":
+        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return device.type == "cuda"
 
 
 def optimizer_impl(setting: str, device: torch.device) -> str:

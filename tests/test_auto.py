@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from config import Config, ConfigError
 from distributed import DistInfo
 
 CPU = torch.device("cpu")
+# channels_last's choice on this CPU: on with AVX-512 only (auto.channels_last says why)
+NHWC_ON_THIS_CPU = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 ONE = DistInfo(0, 0, 1, CPU)  # python train.py: no process group
 TWO = DistInfo(0, 0, 2, CPU, backend="gloo")
 
@@ -22,7 +27,7 @@ def test_auto_on_cpu_is_the_documented_cpu_choice_for_each_setting() -> None:
         backend="gloo",  # as distributed.setup chose it (auto.backend)
         amp=None,  # fp32: CPUs gain nothing from autocast here
         compile=False,
-        channels_last=True,  # oneDNN's convolutions prefer NHWC
+        channels_last=NHWC_ON_THIS_CPU,  # oneDNN's AVX-512 convolutions prefer NHWC
         optimizer_impl="foreach",
         loader="device",  # in memory, and not a GPU whose free memory could be short
         decode="none",  # nothing to decode: Fashion-MNIST is held in memory
@@ -75,7 +80,7 @@ def test_describe_names_each_setting_and_what_auto_became() -> None:
         "dist.backend=auto->none",  # one process: no process group
         "train.amp=auto->none",
         "train.compile=auto->off",
-        "model.channels_last=auto->on",
+        f"model.channels_last=auto->{'on' if NHWC_ON_THIS_CPU else 'off'}",
         "optim.impl=auto->foreach",
         "data.loader=auto->dataloader",
         "data.decode=auto->none",
@@ -99,3 +104,35 @@ def test_decoding_on_a_gpu_is_chosen_only_where_it_pays_and_works(monkeypatch, c
     with caplog.at_level("WARNING"):
         assert auto.decode("auto", True, gpu) == "workers"
     assert "decoding in the loader workers; cuda:0: no nvJPEG" in caplog.text
+
+
+# The weight gradient of a 1x1 stride-2 convolution with 4 input channels on 28x28 inputs (a
+# MiniResNet shortcut of width 4 on Fashion-MNIST), in the memory format auto chooses.
+_SHORTCUT_BACKWARD = """
+import sys
+import torch
+import auto
+nhwc = auto.channels_last("auto", torch.device("cpu"))
+layout = torch.channels_last if nhwc else torch.contiguous_format
+conv = torch.nn.Conv2d(4, 8, 1, stride=2, bias=False).to(memory_format=layout)
+for _ in range(5):
+    x = torch.randn(64, 4, 28, 28).to(memory_format=layout).requires_grad_()
+    conv(x).sum().backward()
+print("nhwc" if nhwc else "nchw", "done")
+"""
+
+
+@pytest.mark.slow
+def test_the_memory_format_auto_picks_trains_a_narrow_shortcut_on_this_cpu() -> None:
+    """On an AVX2-only CPU torch 2.14.1's oneDNN (jit_avx2_1x1_convolution_bwd_weights_t) spins
+    forever or aborts ("double free or corruption") on this backward in channels_last: a
+    MiniResNet of widths 4,8,8 then never finished its first step. Whatever this CPU is, what
+    auto picks must finish in seconds (the timeout bounds a hang, it measures no speed)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SHORTCUT_BACKWARD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(auto.__file__).parent,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("done"), done.stderr

@@ -618,10 +618,6 @@ def test_weights_beside_a_checkpoint_are_not_loaded_and_a_warning_names_both(
 
     run_dir = tmp_path / "run"
     args = [fill(a, {"run": run_dir, "data": tmp_path / "data"}, False) for a in BASE_ARGS]
-    # Neither the FLOP count nor channels_last matters here, and on this 2-core CPU (torch
-    # 2.14.1) a channels_last MiniResNet of widths 4,8,8 aborted in backward with "double free
-    # or corruption" (also at commit ca44681, and with the FLOP count's backward): reported.
-    args += ["--log.mfu=false", "--model.channels_last=off"]
     first = launch(command(False, [*args, "--train.max_steps=2"]), RUN_BOUND_S)
     assert first.returncode == 0, first.output[-3000:]
     checkpoint = run_dir / "checkpoints" / "step_2.pt"

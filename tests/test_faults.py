@@ -544,23 +544,19 @@ def test_preemptions_that_left_no_checkpoint_do_not_count_as_attempts_without_pr
     such preemptions in one checkpoint interval ended the job for good (exit 76). Now they do
     not count, while the crash loop above still trips."""
     run_dir = tmp_path / "run"
-    # channels_last off: on this project's 2-core CPU host torch 2.14.1's FlopCounterMode
-    # crashes (SIGSEGV) in a channels_last backward; unrelated to what is tested here.
-    channels = "--model.channels_last=off"
     for _ in range(4):  # one more than the limit of 3
-        killed = launch(run_dir, 1, channels, faults="sigterm@step=2;sigkill@save=begin")
+        killed = launch(run_dir, 1, faults="sigterm@step=2;sigkill@save=begin")
         assert killed.returncode == -9, killed.output[-3000:]
     assert not (run_dir / "checkpoints").exists() or not list(
         (run_dir / "checkpoints").glob("*.pt")
     )
-    finished = launch(run_dir, 1, channels)
+    finished = launch(run_dir, 1)
     assert finished.returncode == 0, finished.output[-3000:]
     assert "attempts in a row" not in finished.output
     assert final_state(run_dir)["step"] > 2  # trained to the end, past the preemptions' step
 
 
-# channels_last off: see the test above (torch 2.14.1's FlopCounterMode crash on this host).
-IO_JOB = ("--ckpt.every_steps=3", "--model.channels_last=off")
+IO_JOB = ("--ckpt.every_steps=3",)
 
 
 @pytest.mark.parametrize(

@@ -389,9 +389,6 @@ def test_a_run_that_loses_its_lease_stops_at_the_next_step(tmp_path) -> None:
         "--dist.timeout_s=60",
         "--dist.preflight=false",
         "--run.lease_timeout_s=6",
-        # On this machine (torch 2.14.1, CPU, gloo) 2-rank DDP with channels_last aborts in the
-        # first backward ("double free or corruption") at HEAD too: not this test's subject.
-        "--model.channels_last=off",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "77"}
     log_file = (tmp_path / "job.log").open("w+")
@@ -445,7 +442,6 @@ JOB = [
     "--log.every_steps=1",
     "--dist.timeout_s=20",
     "--dist.preflight=false",
-    "--model.channels_last=off",  # see test_a_run_that_loses_its_lease_stops_at_the_next_step
 ]
 
 

@@ -321,7 +321,7 @@ def test_a_preemption_save_slower_than_torchruns_default_30_s_is_written(
         "TRAIN_FAULTS": f"sleep@save=begin,seconds={SLOW_SAVE_S}",
     }
     # The other ranks wait in the save's collective meanwhile: give them more than the save.
-    slow = ("--dist.timeout_s=180", "--model.channels_last=off")
+    slow = ("--dist.timeout_s=180",)
     proc = start_job(launcher, run_dir, log, *slow, env=faults)
     try:
         wait_for_train_rows(run_dir, proc, rows=3)
@@ -352,7 +352,7 @@ def test_a_sigkill_of_the_launcher_stops_torchrun_and_its_workers(tmp_path) -> N
     signal: they checkpoint and leave, the lease is released, and the same command resumes."""
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     endless = [arg for arg in JOB if not arg.startswith(("--train.max_steps", "--train.epochs"))]
-    job = ("--model.channels_last=off", "--train.epochs=1000")  # never done by itself
+    job = ("--train.epochs=1000",)  # never done by itself
     cmd, env = launcher_command("train_single_node.sh")
     with log.open("w") as out:
         proc = subprocess.Popen(
