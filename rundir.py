@@ -80,6 +80,8 @@ from config import ConfigError
 log = logging.getLogger(__name__)
 
 LEASE_GLOB = "lease.*.json"  # lease.<generation>.json
+# The single lease file of earlier versions: a job of such a version may still run in the dir.
+LEGACY_LEASE_FILE = "lease.json"
 PROGRESS_FILE = "progress.json"
 ORIGIN_FILE = "origin.json"
 # torchrun's --rdzv-id when none is given, and launch_multinode.sh's old default: shared by
@@ -282,6 +284,7 @@ class Lease:
 
     def acquire(self) -> None:
         """Take the lease or raise RunDirBusy naming the holder. Call with the dir existing."""
+        self._judge_legacy()
         for _ in range(100):  # each pass contests one generation; losing one means a new holder
             generations = _generations(self.run_dir)
             top = generations[-1] if generations else 0
@@ -339,6 +342,22 @@ class Lease:
                 f"job is gone without a trace here (another host, another container), its "
                 f"lease expires {max(0.0, timeout - age):.0f} s from now "
                 f"(its run.lease_timeout_s={timeout:g})"
+            )
+
+    def _judge_legacy(self) -> None:
+        """Refuse a run dir whose earlier-version lease.json has a fresh heartbeat from another
+        job: that version knows nothing of generation files, so until its heartbeat is older
+        than this run's lease timeout it is taken to be running."""
+        holder = _read_json(self.run_dir / LEGACY_LEASE_FILE)
+        if holder is None or holder.get("job") == self.job:
+            return
+        age = time.time() - float(holder.get("heartbeat", 0))
+        if age <= self.timeout_s:
+            raise RunDirBusy(
+                f"run.dir={self.run_dir} is in use by {_describe(holder)}, a job of an earlier "
+                f"version ({LEGACY_LEASE_FILE}): two jobs in one run dir would overwrite each "
+                f"other's checkpoints and metrics. Use another --run.dir, or wait: its lease "
+                f"expires {max(0.0, self.timeout_s - age):.0f} s from now"
             )
 
     def _read_patiently(self, path: Path) -> tuple[dict[str, Any] | None, str]:

@@ -361,6 +361,27 @@ def test_a_holder_is_judged_by_its_own_timeout_not_the_newcomers(tmp_path) -> No
         rundir.Lease(run_dir, 60.0).acquire()
 
 
+def test_a_running_job_of_the_earlier_version_keeps_the_run_dir(tmp_path) -> None:
+    """Earlier versions held the run dir with one lease.json, which this version's generation
+    files do not see: while its heartbeat is fresh, a newcomer is refused naming it; once it
+    is stale, the newcomer takes the dir."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    legacy = run_dir / "lease.json"
+    record = {"job": "slurm-9", "host": "node7", "pid": 1234, "started": time.time()}
+    legacy.write_text(json.dumps({**record, "heartbeat": time.time() - 5}))
+    with pytest.raises(rundir.RunDirBusy, match="slurm-9.*earlier version.*lease.json"):
+        rundir.Lease(run_dir, 60.0).acquire()
+    assert not list(run_dir.glob("lease.*.json"))  # refused before writing anything
+    legacy.write_text(json.dumps({**record, "heartbeat": time.time() - 61}))
+    lease = rundir.Lease(run_dir, 60.0)
+    lease.acquire()
+    try:
+        assert lease.generation == 1
+    finally:
+        lease.release()
+
+
 # ---------------------------------------------------------------------------------------------
 # A training run that loses its lease stops at the next step, on every rank
 
