@@ -436,13 +436,9 @@ def _fake_torch(root: Path, launcher_api: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(root)}
 
 
-@pytest.mark.slow
-def test_a_torch_without_the_shutdown_timeout_is_named_at_start(tmp_path) -> None:
-    """torch releases before pytorch PR #172596 hard-code torchrun's 30 s: the launcher says
-    that the budget is 30 s, not SUPERVISE_GRACE_S, instead of pretending."""
-    env = _fake_torch(tmp_path, "class LaunchConfig:\n    pass\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--help"]
-    proc = subprocess.run(
+def _supervise_with(env: dict[str, str], command: list[str]) -> subprocess.CompletedProcess:
+    """supervise.py over `command` (torchrun's --help: its start-up message is the subject)."""
+    return subprocess.run(
         [sys.executable, "scripts/supervise.py", "--", *command],
         cwd=REPO,
         env=env,
@@ -450,6 +446,15 @@ def test_a_torch_without_the_shutdown_timeout_is_named_at_start(tmp_path) -> Non
         text=True,
         timeout=60,
     )
+
+
+@pytest.mark.slow
+def test_a_torch_without_the_shutdown_timeout_is_named_at_start(tmp_path) -> None:
+    """torch releases before pytorch PR #172596 hard-code torchrun's 30 s: the launcher says
+    that the budget is 30 s, not SUPERVISE_GRACE_S, instead of pretending."""
+    env = _fake_torch(tmp_path, "class LaunchConfig:\n    pass\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--help"]
+    proc = _supervise_with(env, command)
     assert "warning: torch 2.4.1 has no TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in proc.stderr
     assert "within 30 s, not SUPERVISE_GRACE_S=120 s" in proc.stderr
 
@@ -471,14 +476,7 @@ def test_a_shutdown_timeout_given_to_torchrun_is_kept_and_the_budget_named(
     of it and SUPERVISE_GRACE_S, and one torchrun would crash on (int()) is refused: exit 2."""
     env = _fake_torch(tmp_path, "os.environ.get('TORCH_ELASTIC_SHUTDOWN_TIMEOUT', '30')\n")
     command = [sys.executable, "-m", "torch.distributed.run", *given, "--help"]
-    proc = subprocess.run(
-        [sys.executable, "scripts/supervise.py", "--", *command],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _supervise_with(env, command)
     assert expected in proc.stderr, proc.stderr
     if "soon" in expected:
         assert proc.returncode == exitcodes.EXIT_BAD_INPUT
