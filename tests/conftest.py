@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,20 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     times = config.stash.get(BUILD_TIMES, [])
     if times:
         terminalreporter.write_line("container image build times: " + ", ".join(times))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """DDP_TEST_TIMES=<file>: each test's wall time (set-up, call, teardown) appended as it ends,
+    so that a run stopped half-way still says where its time went."""
+    path = os.environ.get("DDP_TEST_TIMES")
+    started = time.monotonic()
+    try:
+        return (yield)
+    finally:
+        if path:
+            with open(path, "a") as out:
+                out.write(f"{time.monotonic() - started:8.1f} {item.nodeid}\n")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

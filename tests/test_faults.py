@@ -372,16 +372,18 @@ def test_slow_dataset_preparation_outlasts_the_collective_timeout(tmp_path) -> N
 
 
 def test_dataset_preparation_past_its_bound_fails_naming_dataset_and_rank(tmp_path) -> None:
-    started = time.monotonic()
+    """Rank 0 prepares for 100 s, under a 6 s bound and a 600 s collective timeout. Without the
+    bound the run would wait out the 100 s and then train (exit 0), and a collective timeout
+    would not name the bound: the failure and its message prove the bound, not the wall clock
+    (a loaded machine spends half a minute starting the ranks)."""
     proc = launch(
         tmp_path / "run",
         2,
-        "--dist.timeout_s=60",
+        "--dist.timeout_s=600",
         "--data.prepare_timeout_s=6",
         faults="sleep@prepare=begin,rank=0,seconds=100",
     )
-    assert proc.returncode != 0
-    assert time.monotonic() - started < 60, proc.output[-4000:]  # the bound, not a timeout
+    assert proc.returncode != 0, proc.output[-4000:]
     for expected in ("data.prepare_timeout_s=6", "synthetic dataset", "rank 0"):
         assert expected in proc.output, (expected, proc.output[-4000:])
 
