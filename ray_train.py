@@ -370,6 +370,18 @@ def follow(child: subprocess.Popen, run_dir: Path, rank: int) -> Any:
     checkpoints = run_dir / "checkpoints"
     reported = set(complete_checkpoints(checkpoints)) if rank == 0 else set()
     notice = None
+
+    def pass_on_a_drain() -> None:
+        """Collective. Looked at before each report too: Ray copies each checkpoint into its
+        storage, a second or more on a busy node, and a notice must not wait for that."""
+        nonlocal notice
+        info = ray.train.get_preemption_info()
+        if info is not None and notice is None:
+            notice = info
+            print(f"ray_train.py: rank {rank}: node drain {info}: stopping train.py", flush=True)
+            with contextlib.suppress(OSError):
+                child.send_signal(signal.SIGTERM)  # the shim passes it on as the stop signal
+
     while True:
         running = torch.tensor([float(child.poll() is None)])
         dist.all_reduce(running)  # read before the scan below: it then sees the last save
@@ -380,14 +392,10 @@ def follow(child: subprocess.Popen, run_dir: Path, rank: int) -> Any:
             reported |= set(found)
         dist.broadcast_object_list(new, src=0)
         for step in new[0]:
+            pass_on_a_drain()
             path = checkpoints / f"step_{step}.pt" if rank == 0 else None
             report_checkpoint(run_dir, step, path)
-        info = ray.train.get_preemption_info()
-        if info is not None and notice is None:
-            notice = info
-            print(f"ray_train.py: rank {rank}: node drain {info}: stopping train.py", flush=True)
-            with contextlib.suppress(OSError):
-                child.send_signal(signal.SIGTERM)  # the shim passes it on as the stop signal
+        pass_on_a_drain()
         if running.item() == 0:
             return notice
         time.sleep(FOLLOW_EVERY_S)
