@@ -43,10 +43,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                 out.write(f"{time.monotonic() - started:8.1f} {item.nodeid}\n")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run the extended tier (marker `extended`): more launchers, signal patterns "
+        "and stops of what CI already runs once; without it those tests are deselected",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
+    if not config.getoption("--extended"):
+        extended = [item for item in items if item.get_closest_marker("extended")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if not item.get_closest_marker("extended")]
 
 
 FASHION_MNIST_AVAILABLE = data.DEBIAN_FASHION_MNIST.is_dir()

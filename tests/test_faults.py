@@ -121,7 +121,15 @@ def reference_2(tmp_path_factory) -> Path:
 
 # 7 steps per epoch: 1 and 10 are mid-epoch, 7 ends an epoch (its evaluation is owed to the
 # resumed run), 14 ends the run.
-@pytest.mark.parametrize("stop_after", [1, 7, 10, 14])
+@pytest.mark.parametrize(
+    "stop_after",
+    [
+        pytest.param(1, marks=pytest.mark.extended),
+        7,
+        10,
+        pytest.param(14, marks=pytest.mark.extended),
+    ],
+)
 def test_preempted_run_resumes_exactly(tmp_path, reference_1, stop_after) -> None:
     run_dir = tmp_path / "run"
     first = launch(run_dir, 1, faults=f"sigterm@step={stop_after - 1}")

@@ -273,7 +273,7 @@ def wait_for_first_checkpoint(run_dir: Path, proc: subprocess.Popen, log: Path) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("request_", ["cpus", "gpus"])
+@pytest.mark.parametrize("request_", ["cpus", pytest.param("gpus", marks=pytest.mark.extended)])
 def test_a_local_request_beyond_this_machine_exits_2_naming_the_shortfall(
     tmp_path: Path, request_: str
 ) -> None:
@@ -529,6 +529,7 @@ def test_the_shim_arms_its_own_parent_death_signal(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_after_a_sigkill_of_the_driver_nothing_it_started_keeps_running(tmp_path: Path) -> None:
     """SIGKILL to ray_train.py alone mid-run (a local cluster): the Ray processes it started
     share its fate (ray._private.services: fate_share, PR_SET_PDEATHSIG), the Ray workers go
@@ -556,6 +557,7 @@ def test_after_a_sigkill_of_the_driver_nothing_it_started_keeps_running(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_stop_whose_ranks_left_no_checkpoint_does_not_exit_75(tmp_path: Path) -> None:
     """SIGTERM to ray_train.py, and the ranks SIGKILLed before they could checkpoint (the OOM
     killer, a failed save): no rank reported a checkpoint (train.py's TRAIN_PREEMPT_MARKER),
