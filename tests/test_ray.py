@@ -366,6 +366,7 @@ def test_more_workers_than_a_cluster_without_autoscaler_holds_exits_2(
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the drain test checks a report (its preemption checkpoint's)
 def test_every_checkpoint_is_reported_to_ray_with_its_metrics(
     tmp_path: Path, reference: Path
 ) -> None:

@@ -165,16 +165,23 @@ def reference(tmp_path_factory) -> dict:
     return final_state(run_dir)
 
 
-# Every pattern under train_single_node.sh; under launch_multinode.sh (the same supervise.py and
-# torchrun) CI runs the two that reach its own shell, the rest are in the extended tier.
-MULTINODE_IN_CI = ("usr2_then_term_to_all", "term_to_launcher_only")
+# CI runs each pattern once, and the launcher-only one under both launchers (their shells differ;
+# below them the same supervise.py and torchrun); the other pairs are the extended tier.
+IN_CI = {
+    "train_single_node.sh": (
+        "usr2_then_term_to_all",
+        "usr2_to_workers_and_loaders_only",
+        "term_to_launcher_only",
+    ),
+    "launch_multinode.sh": (
+        "term_to_all_twice",
+        "term_to_loaders_then_usr2_and_int",
+        "term_to_launcher_only",
+    ),
+}
 STOP_CASES = [
     pytest.param(
-        launcher,
-        pattern,
-        marks=[pytest.mark.extended]
-        if launcher == "launch_multinode.sh" and pattern not in MULTINODE_IN_CI
-        else [],
+        launcher, pattern, marks=[] if pattern in IN_CI[launcher] else [pytest.mark.extended]
     )
     for launcher in ("train_single_node.sh", "launch_multinode.sh")
     for pattern in PATTERNS
@@ -311,9 +318,10 @@ def test_a_bad_command_line_under_the_launcher_exits_2(tmp_path, launcher) -> No
 # The patterns that differ in what torchrun sees: one SIGTERM (from the launcher), its own
 # SIGTERM twice besides the launcher's (it dies of a repeat inside its shutdown and leaves the
 # workers to the launcher, a child subreaper), nothing at all (the workers exit 75 by themselves).
-SLOW_SAVE_CASES = [
+SLOW_SAVE_CASES = [  # CI: the first; the launcher's own signal under the other launcher and
+    # the patterns that reach the workers directly are the extended tier
     ("train_single_node.sh", "term_to_launcher_only"),
-    ("launch_multinode.sh", "term_to_launcher_only"),
+    pytest.param("launch_multinode.sh", "term_to_launcher_only", marks=pytest.mark.extended),
     pytest.param("train_single_node.sh", "term_to_all_twice", marks=pytest.mark.extended),
     pytest.param(
         "train_single_node.sh", "usr2_to_workers_and_loaders_only", marks=pytest.mark.extended

@@ -372,6 +372,7 @@ def test_examples_train_your_model_on_your_data_under_torchrun(tmp_path) -> None
     assert state["ema"]["updates"] == 60 and state["ema"]["weights"].keys() == state["model"].keys()
 
 
+@pytest.mark.extended  # CI: the examples test compiles a factory model in bf16, channels_last
 def test_resnet18_trains_with_compile_bf16_and_channels_last(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(

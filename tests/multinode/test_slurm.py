@@ -163,9 +163,11 @@ def test_a_job_runs_to_completion_with_ranks_on_both_nodes(long_reference) -> No
         ["scancel", "--signal=USR2", "--batch"],
         # Every process of the job step (not the batch shell): launcher, torchrun, workers and
         # their loader workers each get SIGUSR2; the step ends with 75 and the job requeues.
-        ["scancel", "--signal=USR2"],
+        # Extended tier: test_signals.py delivers to every process under each launcher in CI.
+        pytest.param(["scancel", "--signal=USR2"], marks=pytest.mark.extended),
         # Slurm ends the job (SIGTERM to every process, SIGKILL after KillWait) and queues it.
-        ["scontrol", "requeue"],
+        # Extended tier: CI's time-limit and node-failure tests requeue through Slurm too.
+        pytest.param(["scontrol", "requeue"], marks=pytest.mark.extended),
     ],
     ids=["scancel-usr2-batch", "scancel-usr2-steps", "scontrol-requeue"],
 )
