@@ -262,7 +262,13 @@ def shim(argv: list[str]) -> int:
     for stop in LAUNCHER_STOP_SIGNALS:
         signal.signal(stop, forward)
     me = os.getpid()
-    child = subprocess.Popen(command, preexec_fn=lambda: arm_parent_death_signal(sig, me))
+    # A process group of its own: Ray (2.60: RAY_process_group_cleanup_enabled, on; raylet.out
+    # says "Per-worker process group cleanup is ENABLED") SIGKILLs a stopped worker's whole
+    # process group, which took train.py with the shim before it could checkpoint (SIGTERM to
+    # ray_train.py exited 143 with the lease stale). train.py gets `sig` from the shim's death.
+    child = subprocess.Popen(
+        command, preexec_fn=lambda: arm_parent_death_signal(sig, me), process_group=0
+    )
     code = child.wait()
     return 128 - code if code < 0 else code
 
