@@ -560,19 +560,19 @@ def test_after_a_sigkill_of_the_driver_nothing_it_started_keeps_running(tmp_path
 @pytest.mark.slow
 @pytest.mark.extended
 def test_a_stop_whose_ranks_left_no_checkpoint_does_not_exit_75(tmp_path: Path) -> None:
-    """SIGTERM to ray_train.py, and the ranks SIGKILLed before they could checkpoint (the OOM
-    killer, a failed save): no rank reported a checkpoint (train.py's TRAIN_PREEMPT_MARKER),
-    so the launcher does not say 75 "preempted, resume": it exits 128 + SIGTERM, with nothing
-    left running. Before, it waited out rank 0's stale lease and exited 75."""
+    """The ranks SIGKILLed (the OOM killer, a failed save) as SIGTERM reaches ray_train.py: no
+    rank reported a checkpoint (train.py's TRAIN_PREEMPT_MARKER), so the launcher does not say
+    75 "preempted, resume": it exits 128 + SIGTERM, with nothing left running. Before, it
+    waited out rank 0's stale lease and exited 75. The kill comes first: once the stop reaches
+    them, the ranks checkpoint within half a second (their own process group keeps them out of
+    Ray's kill of the worker's group)."""
     run_dir, log = tmp_path / "ray", tmp_path / "ray.log"
     proc = start(run_dir, log)
     try:
         wait_for_first_checkpoint(run_dir, proc, log)
-        ranks = train_processes(0) + train_processes(1)
-        os.kill(proc.pid, signal.SIGTERM)
-        time.sleep(0.5)
-        for pid in ranks:
+        for pid in train_processes(0) + train_processes(1):
             os.kill(pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
