@@ -12,14 +12,13 @@ import dataclasses
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+import imagefolder
 from config import Config, ConfigError
-
-if TYPE_CHECKING:
-    from distributed import DistInfo
+from distributed import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +111,6 @@ def decode(setting: str, image_folder: bool, device: torch.device, jpeg_share: f
             100 * (1 - jpeg_share),
         )
         return "workers"
-    import imagefolder
-
     problem = imagefolder.device_decoding_problem(device)
     if problem is not None:
         log.warning("data.decode=auto: decoding in the loader workers; %s: %s", device, problem)

@@ -90,6 +90,10 @@ def load_factory(key: str, spec: str) -> Callable[..., Any]:
 
 
 MINI_RESNET = "mini_resnet"
+# The label of a sample that is in the batch but not counted (an unreadable image skipped by
+# data.bad_images=skip, or a factory's own): cross-entropy's default ignore_index, so its loss
+# and gradient are 0.
+IGNORED = -100
 NO_SIGNALS = "none"  # run.preempt_signals=none: no preemption checkpoint
 SIGNAL_NAMES = (
     "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught), or none "

@@ -33,9 +33,8 @@ import auto
 import distributed
 import exitcodes
 import imagefolder
-from config import ConfigError, DataConfig, load_factory
+from config import IGNORED, ConfigError, DataConfig, load_factory
 from distributed import DistInfo
-from engine import IGNORED  # the ignore label: a sample in the batch that no loss counts
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import record as record
 from torch.nn.parallel import DistributedDataParallel
 
-import auto
 import exitcodes
 from config import ConfigError, DistConfig
 
@@ -123,17 +122,16 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"train/attempt_{attempt}/", client)
 
 
-def setup(cfg: DistConfig) -> DistInfo:
-    """Join the process group described by torchrun's environment (or run alone without one)."""
+def setup(cfg: DistConfig, backend: str) -> DistInfo:
+    """Join the process group described by torchrun's environment (or run alone without one),
+    with `backend` as `auto.backend` resolved dist.backend."""
     env = read_env()
     if env is None:
-        auto.backend(cfg.backend)  # no process group, but a setting this host cannot honour
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return DistInfo(rank=0, local_rank=0, world_size=1, device=device)
     rank, local_rank, world_size = env
-    backend = auto.backend(cfg.backend)
     device = torch.device("cpu")
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():

@@ -19,12 +19,9 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import auto
 import distributed
-from config import OptimConfig
+from config import IGNORED, OptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-# The label of a sample that is in the batch but not counted (an unreadable image skipped by
-# data.bad_images=skip): cross-entropy's default ignore_index, so its loss and gradient are 0.
-IGNORED = -100
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

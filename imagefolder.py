@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from config import IGNORED as SKIPPED  # a skipped image's label: left out of every count
 from config import ConfigError
-from engine import IGNORED as SKIPPED  # a skipped image's label: left out of every count
 
 log = logging.getLogger(__name__)
 # torchvision 0.29 deprecates its image decoders in favour of TorchCodec 0.16 (which needs torch

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import checkpoint
 import distributed
 from distributed import DistInfo
 from engine import StepStats
@@ -306,8 +307,6 @@ class MetricsWriter:
 
     def _truncate(self, path: Path, resume_step: int, pending_eval: bool) -> None:
         """Keep the rows up to the resumed step; rewrite the file atomically if any go."""
-        import checkpoint  # atomic_write_bytes; imported here to keep this module light
-
         try:
             lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         except FileNotFoundError:

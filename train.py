@@ -63,6 +63,7 @@ import rundir
 import saturation
 import state
 from config import (
+    IGNORED,
     Config,
     ConfigError,
     for_world_size,
@@ -357,7 +358,7 @@ class Trainer:
             self.model.train()
         images, labels, indices = next(self.batches)
         if labels.device.type == "cpu":  # skipped images (IGNORED) are not trained on
-            indices = indices[labels != engine.IGNORED]  # (only a DataLoader yields them)
+            indices = indices[labels != IGNORED]  # (only a DataLoader yields them)
         self.ledger.add(indices)
         return self.preprocess(images, labels)
 
@@ -406,7 +407,7 @@ class Trainer:
                 self.num_eval - result.num_samples,
                 "unreadable images were left out (data.bad_images=skip; each is named above)"
                 if self.eval_from_folder
-                else f"are labelled {engine.IGNORED}, the ignore label (data.factory)",
+                else f"are labelled {IGNORED}, the ignore label (data.factory)",
             )
         return result
 
@@ -747,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return exitcodes.EXIT_PREEMPTED
     try:
-        info = distributed.setup(cfg.dist)
+        info = distributed.setup(cfg.dist, auto.backend(cfg.dist.backend))
         cfg = for_world_size(cfg, info.world_size)
         result = train(cfg, info)
         log.info("done: %s", result)
