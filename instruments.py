@@ -23,6 +23,7 @@ import auto
 import distributed
 import resilience
 import saturation
+from ckpt import parts
 from config import Config
 from distributed import DistInfo
 from engine import EvalResult, StepStats
@@ -95,7 +96,7 @@ class Instruments:
         info: DistInfo,
         model: nn.Module,
         writer: MetricsWriter,
-        position: Any,  # state.Position: its step and epoch label every row
+        position: Any,  # parts.Position: its step and epoch label every row
         lr: Callable[[], float],
         stall_timeout_s: float | None = None,
         worker_pids: Callable[[], list[int]] = list,
@@ -247,7 +248,7 @@ class Instruments:
             }
         )
 
-    def log_eval(self, result: EvalResult, ledger: resilience.SampleLedger) -> None:
+    def log_eval(self, result: EvalResult, ledger: parts.SampleLedger) -> None:
         """The evaluation row, with the epoch's sample ledger so far (a collective)."""
         totals, per_rank = ledger.totals()
         pos = self.position
@@ -260,7 +261,7 @@ class Instruments:
             result.accuracy,
             result.num_samples,
             totals[0],
-            resilience.digest(totals),
+            parts.digest(totals),
         )
         self.writer.write(
             {
@@ -272,8 +273,8 @@ class Instruments:
                 "accuracy": result.accuracy,
                 "num_samples": result.num_samples,
                 "epoch_samples_seen": totals[0],
-                "epoch_sample_digest": resilience.digest(totals),
-                "sample_digest_per_rank": [resilience.digest(part) for part in per_rank],
+                "epoch_sample_digest": parts.digest(totals),
+                "sample_digest_per_rank": [parts.digest(part) for part in per_rank],
             }
         )
 
@@ -287,14 +288,14 @@ class Instruments:
         resumed step, so the generators are put back as they were, or resuming would not
         continue the same run.
         """
-        saved_rng = resilience.rng_state()
+        saved_rng = parts.rng_state()
         source = ""
         try:
             self.flops_per_sample = flops_per_sample(model, sample, loss_fn)
             if self.info.is_main:
                 self.peak_flops, source = peak_flops(self.info.device, dtype)
         finally:
-            resilience.set_rng_state(saved_rng)
+            parts.set_rng_state(saved_rng)
         if self.info.is_main:
             log.info(
                 "model: %.3g GFLOP per training sample (forward + backward); MFU divides by a "

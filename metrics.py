@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-import checkpoint
 import distributed
+from ckpt import storage
 from distributed import DistInfo
 from engine import StepStats
 
@@ -328,7 +328,7 @@ class MetricsWriter:
         if len(kept) == len(lines) and all(line.endswith("\n") for line in lines):
             return
         payload = "".join(kept).encode("utf-8")
-        checkpoint.atomic_write_bytes(path, lambda f: f.write(payload))
+        storage.atomic_write_bytes(path, lambda f: f.write(payload))
         log.info(
             "metrics.jsonl: kept %d rows up to step %d, dropped %d from after it",
             len(kept),

@@ -311,7 +311,7 @@ class TrainExit(RuntimeError):
 
 
 def complete_checkpoints(directory: Path) -> dict[int, Path]:
-    """step -> file of each complete checkpoint (its manifest is written last: checkpoint.py)."""
+    """step -> file of each complete checkpoint (its manifest is written last: ckpt/storage.py)."""
     found = {}
     for manifest in directory.glob("step_*.manifest.json"):
         step = manifest.name.split("_", 1)[1].split(".", 1)[0]

@@ -1,5 +1,6 @@
 """What keeps a long run alive or stops it cleanly: per-step agreement across ranks (skip a
-non-finite step, stop for preemption), the stall watchdog, the sample ledger and RNG states.
+non-finite step, stop for preemption) and the stall watchdog. (The sample ledger and the
+random generators' states are checkpoint parts: ckpt/parts.py.)
 
 Exit codes of train.py (also in the README):
     0   finished
@@ -17,7 +18,6 @@ import faulthandler
 import json
 import logging
 import os
-import random
 import signal
 import socket
 import sys
@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -288,96 +287,3 @@ def _default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # a private helper: without it the watchdog still works, only quieter
         return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Sample ledger
-
-_P = 2_147_483_647  # 2^31 - 1: index hashes stay below it, so sums of 2^32 of them fit int64
-
-
-def index_hashes(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two independent hashes in [0, 2^31 - 1) of dataset indices (below 2^31)."""
-    h1 = (indices.to(torch.int64) * 1103515245 + 12345) % _P
-    h2 = (h1 * 48271 + 11) % _P
-    return h1, h2
-
-
-class SampleLedger:
-    """Which samples an epoch trained on: their count and two sums of index hashes.
-
-    The sums do not depend on order, rank or restarts, so the epoch's digest over all ranks
-    and all restarts equals the digest of the set of samples it saw: a replayed or skipped
-    sample changes it. Checkpoints carry the global totals of the epoch so far.
-    """
-
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.carried = [0, 0, 0]  # global totals of this epoch before this process started it
-        self.local = torch.zeros(3, dtype=torch.int64)
-
-    def start_epoch(self, epoch: int, carried: list[int] | None = None) -> None:
-        self.epoch = epoch
-        self.carried = list(carried) if carried else [0, 0, 0]
-        self.local.zero_()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Collective: the epoch's global totals so far."""
-        totals, _ = self.totals()
-        return {"epoch": self.epoch, "totals": totals}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.start_epoch(int(state["epoch"]), list(state["totals"]))
-
-    def add(self, indices: torch.Tensor) -> None:
-        h1, h2 = index_hashes(indices)
-        self.local += torch.stack(
-            [torch.tensor(len(indices), dtype=torch.int64), h1.sum(), h2.sum()]
-        )
-
-    def totals(self) -> tuple[list[int], list[list[int]]]:
-        """Collective: (global totals of the epoch, this process's part on each rank)."""
-        per_rank = distributed.all_gather_object(self.local.tolist())
-        totals = [sum(column) for column in zip(self.carried, *per_rank, strict=True)]
-        return totals, per_rank
-
-
-def digest(totals: list[int]) -> str:
-    count, h1, h2 = totals
-    return f"{count}:{h1:x}:{h2:x}"
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG states
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators, in types `torch.load(weights_only=True)` accepts."""
-    version, mt_state, gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [version, list(mt_state), gauss],
-        "numpy": [
-            np_kind,
-            torch.from_numpy(np_keys.astype(np.int64)),
-            np_pos,
-            np_has_gauss,
-            np_gauss,
-        ],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, mt_state, gauss = state["python"]
-    random.setstate((version, tuple(mt_state), gauss))
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
-    np.random.set_state(
-        (np_kind, np_keys.cpu().numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
-    )
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"].cpu())

@@ -51,7 +51,6 @@ import torch
 from torch import nn
 
 import auto
-import checkpoint
 import data
 import distributed
 import engine
@@ -59,9 +58,9 @@ import exitcodes
 import model as models
 import preflight
 import resilience
-import rundir
 import saturation
-import state
+from ckpt import parts, rundir, storage
+from ckpt.manager import CheckpointManager
 from config import (
     IGNORED,
     Config,
@@ -93,7 +92,7 @@ class Trainer:
         self.cfg, self.info, self.preemption = cfg, info, preemption
         self.run_dir = Path(cfg.run.dir)
         configure_cuda(cfg, info)
-        state.seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
+        parts.seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
         splits = data.build_datasets(cfg.data, cfg.train.seed, info)
         data_fingerprint = data.fingerprint(splits)
         if cfg.dist.preflight:
@@ -120,7 +119,7 @@ class Trainer:
         # else samples labelled data.IGNORED by a data.factory.
         self.eval_from_folder = data.folder_of(splits.eval) is not None
         self.input_shape = splits.input_shape
-        self.position = state.Position()
+        self.position = parts.Position()
         self.steps_per_epoch = self.steps_left_in_epoch(consumed=0)
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -136,18 +135,18 @@ class Trainer:
         self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(info.device, self.amp_dtype)
         self.loss_fn: nn.Module = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-        self.ledger = resilience.SampleLedger()
-        self.checkpoints = state.CheckpointManager(
+        self.ledger = parts.SampleLedger()
+        self.checkpoints = CheckpointManager(
             cfg, info, self.num_train, data_fingerprint, lease, splits.classes
         )
         self.ema = engine.WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
-            ("rng", state.RngState(info, cfg.train.seed, self.position)),
-            ("model", state.ModelState(model)),
+            ("rng", parts.RngState(info, cfg.train.seed, self.position)),
+            ("model", parts.ModelState(model)),
             ("optimizer", self.optimizer),
-            ("scheduler", state.SchedulerState(self.scheduler, self.optimizer)),
-            ("scaler", state.ScalerState(self.scaler)),
+            ("scheduler", parts.SchedulerState(self.scheduler, self.optimizer)),
+            ("scaler", parts.ScalerState(self.scaler)),
             ("ledger", self.ledger),
         ):
             self.checkpoints.register(name, part)
@@ -627,7 +626,7 @@ def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | N
     if lease is not None:
         lease.check()  # another job took the run dir over: write nothing
     payload = (cfg.to_json() + "\n").encode()
-    checkpoint.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+    storage.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
     resume = cfg.ckpt.resume
     if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
         run_dir, resume
@@ -774,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         if code == exitcodes.EXIT_BAD_INPUT:
             report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return code
-    except (ConfigError, checkpoint.CheckpointError, data.DatasetNotFoundError) as err:
+    except (ConfigError, storage.CheckpointError, data.DatasetNotFoundError) as err:
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
         report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT

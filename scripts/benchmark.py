@@ -18,7 +18,7 @@ slow machine moves both sides alike:
   of a few large matmuls in the training dtype on the same device.
 - checkpoint_save_ratio: train.py's synchronous checkpoint save / writing as many bytes raw
   with fsync, in the same directory.
-- async_checkpoint_stall_ratio: training time lost to a save through checkpoint.AsyncSaver /
+- async_checkpoint_stall_ratio: training time lost to a save through storage.AsyncSaver /
   the synchronous save time.
 
 Both training loops replay the same uint8 batches, taken once from the pipeline's own training
@@ -59,14 +59,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
 
+
 import auto  # noqa: E402
-import checkpoint  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import engine  # noqa: E402
 import metrics  # noqa: E402
 import resilience  # noqa: E402
 import train  # noqa: E402
+from ckpt import storage  # noqa: E402
 from config import (  # noqa: E402
     Config,
     ConfigError,
@@ -236,7 +237,7 @@ class Pipeline:
     def run(self, num_steps: int) -> None:
         self.trainer.train_steps(num_steps)
 
-    def save(self, step: int, accuracy: float | None, saver: checkpoint.AsyncSaver | None) -> None:
+    def save(self, step: int, accuracy: float | None, saver: storage.AsyncSaver | None) -> None:
         """The Trainer's checkpoint save as of `step`: synchronous, or handed to `saver`."""
         self.trainer.checkpoints.saver = saver
         self.trainer.checkpoints.save(step, accuracy)
@@ -543,7 +544,7 @@ def measure_checkpoint(rig: Rig, plan: Plan) -> dict[str, Any]:
     makes several (checkpoint, manifest, best.json), so on storage where fsync dominates the
     ratio is about their count.
     """
-    directory = checkpoint.checkpoint_dir(rig.cfg.run.dir)
+    directory = storage.checkpoint_dir(rig.cfg.run.dir)
     raw_path, small_path = directory / "raw.bin", directory / "small.json"
     saves: list[float] = []
     raws: list[float] = []
@@ -555,7 +556,7 @@ def measure_checkpoint(rig: Rig, plan: Plan) -> dict[str, Any]:
         payload = os.urandom((directory / f"step_{step}.pt").stat().st_size)
         raws.append(timed(partial(write_raw, raw_path, payload), rig.info.device))
         raw_path.unlink()
-        small = partial(checkpoint.atomic_write_bytes, small_path, lambda f: f.write(b"{}"))
+        small = partial(storage.atomic_write_bytes, small_path, lambda f: f.write(b"{}"))
         smalls.append(timed(small, rig.info.device))
     save_s, raw_s = Spread.of(saves[1:]), Spread.of(raws[1:])
     large = measure_large_checkpoint(directory, plan, rig.info.device)
@@ -570,7 +571,7 @@ def measure_checkpoint(rig: Rig, plan: Plan) -> dict[str, Any]:
 
 
 def measure_large_checkpoint(directory: Path, plan: Plan, device: torch.device) -> dict[str, Any]:
-    """checkpoint.save of a 64 MiB state (16 tensors of 4 MiB, the size of a mid-sized
+    """storage.save of a 64 MiB state (16 tensors of 4 MiB, the size of a mid-sized
     model's weights and momentum) vs a raw write of its bytes: where the fixed costs of a
     save (torch.save's per-tensor records, the manifest's fsyncs) no longer dominate."""
     state = {"model": {f"w{i}": torch.randn(1 << 20) for i in range(16)}, "step": 0}
@@ -578,7 +579,7 @@ def measure_large_checkpoint(directory: Path, plan: Plan, device: torch.device) 
     saves: list[float] = []
     raws: list[float] = []
     for step in range(plan.repeats + 1):
-        saves.append(timed(partial(checkpoint.save, state, large_dir, step, 1, None), device))
+        saves.append(timed(partial(storage.save, state, large_dir, step, 1, None), device))
         payload = os.urandom((large_dir / f"step_{step}.pt").stat().st_size)
         raw_path = large_dir / "raw.bin"
         raws.append(timed(partial(write_raw, raw_path, payload), device))
@@ -600,7 +601,7 @@ def measure_async(rig: Rig, plan: Plan, sync_save_s: float) -> dict[str, Any]:
     the state, train.py's finite check, the host copy) plus any slowdown the writer thread
     causes the steps (GIL, cores, memory bandwidth).
     """
-    saver = checkpoint.AsyncSaver()
+    saver = storage.AsyncSaver()
     step_s = timed(partial(bare_steps, rig.bare, 1), rig.info.device)
     steps = max(2, math.ceil(sync_save_s / step_s) + 1)
     next_step = itertools.count(10**6)  # after the synchronous saves: retention prunes those

@@ -154,15 +154,15 @@ def install(plan: Plan) -> None:
     """Wrap the production functions at the points the plan names."""
     from torch import nn
 
-    import checkpoint
     import data
     import train
+    from ckpt import storage
 
     def is_checkpoint(path: Path) -> bool:
         return path.name.startswith("step_") and path.name.endswith(".pt")
 
     # -- save stages (rank 0 writes) --
-    _wrap(checkpoint, "save", lambda save, *a, **k: (plan.fire("save", "begin"), save(*a, **k))[1])
+    _wrap(storage, "save", lambda save, *a, **k: (plan.fire("save", "begin"), save(*a, **k))[1])
 
     def write_temporary(original: Callable, path: Path, write: Callable) -> Path:
         if not is_checkpoint(path):
@@ -174,16 +174,16 @@ def install(plan: Plan) -> None:
 
         return original(path, write_then_fire)
 
-    _wrap(checkpoint, "write_temporary", write_temporary)
+    _wrap(storage, "write_temporary", write_temporary)
 
     def atomic_write_bytes(original: Callable, path: Path, *args: Any, **kwargs: Any) -> None:
         if path.name.endswith(".manifest.json"):  # the renamed .pt's own manifest comes next
             plan.fire("save", "renamed")
         return original(path, *args, **kwargs)
 
-    _wrap(checkpoint, "atomic_write_bytes", atomic_write_bytes)
+    _wrap(storage, "atomic_write_bytes", atomic_write_bytes)
     # save reads best.json right after the manifest is written, before pruning anything
-    _wrap(checkpoint, "read_best", lambda read, *a: (plan.fire("save", "manifest"), read(*a))[1])
+    _wrap(storage, "read_best", lambda read, *a: (plan.fire("save", "manifest"), read(*a))[1])
 
     # -- steps --
     def next_micro_batch(original: Callable, trainer: Any) -> Any:

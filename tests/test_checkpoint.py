@@ -11,8 +11,8 @@ import torch
 from helpers import REPO, run_ranks
 from torch import nn
 
-import checkpoint
 import engine
+from ckpt import storage
 from config import Config, OptimConfig
 from distributed import DistInfo
 from model import MiniResNet
@@ -53,9 +53,9 @@ def state_of(objs: tuple, step: int) -> dict:
 def test_round_trip_restores_everything_and_training_continues_identically(tmp_path) -> None:
     original = training_objects()
     take_steps(original, 3, seed=1)
-    path = checkpoint.save(state_of(original, 3), tmp_path, step=3, keep=2, accuracy=None)
+    path = storage.save(state_of(original, 3), tmp_path, step=3, keep=2, accuracy=None)
     restored = training_objects(seed=99)  # different init: everything must come from the file
-    state = checkpoint.load(path, CPU)
+    state = storage.load(path, CPU)
     model, optimizer, scheduler, scaler = restored
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -79,7 +79,7 @@ def test_round_trip_restores_everything_and_training_continues_identically(tmp_p
 
 def test_checkpoint_loads_with_weights_only(tmp_path) -> None:
     objs = training_objects()
-    path = checkpoint.save(state_of(objs, 1), tmp_path, step=1, keep=1, accuracy=None)
+    path = storage.save(state_of(objs, 1), tmp_path, step=1, keep=1, accuracy=None)
     state = torch.load(path, weights_only=True)
     assert set(state["model"]) == set(objs[0].state_dict())
 
@@ -91,9 +91,9 @@ def _save_from_ddp(info: DistInfo, run_dir: str) -> list[str]:
     ddp = wrap_model(MiniResNet(in_channels=1, num_classes=10, widths=(8, 16)), info)
     assert type(ddp).__name__ == "DistributedDataParallel"
     if info.is_main:
-        checkpoint.save(
+        storage.save(
             {"model": unwrap_model(ddp).state_dict(), "step": 0},
-            checkpoint.checkpoint_dir(run_dir),
+            storage.checkpoint_dir(run_dir),
             step=0,
             keep=1,
             accuracy=None,
@@ -121,17 +121,17 @@ def test_unwrap_strips_compile_and_ddp_wrappers() -> None:
 def test_retention_keeps_newest_and_best(tmp_path) -> None:
     accuracies = {1: 0.5, 2: 0.9, 3: 0.6, 4: 0.7, 5: None}
     for step, acc in accuracies.items():
-        checkpoint.save({"model": {}, "step": step}, tmp_path, step=step, keep=2, accuracy=acc)
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2, 4, 5]
+        storage.save({"model": {}, "step": step}, tmp_path, step=step, keep=2, accuracy=acc)
+    assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [2, 4, 5]
     assert json.loads((tmp_path / "best.json").read_text()) == {"step": 2, "accuracy": 0.9}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
 @pytest.mark.parametrize("damage", ["truncate", "empty", "garbage", "bitflip", "no_manifest"])
 def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damage) -> None:
-    directory = checkpoint.checkpoint_dir(tmp_path)
+    directory = storage.checkpoint_dir(tmp_path)
     for step in (10, 20):
-        checkpoint.save(
+        storage.save(
             {"model": {"w": torch.full((64,), float(step))}, "step": step},
             directory,
             step=step,
@@ -150,7 +150,7 @@ def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damag
     }[damage]
     newest.write_bytes(damaged)
     if damage == "no_manifest":
-        checkpoint.manifest_path(newest).unlink()
+        storage.manifest_path(newest).unlink()
     reason = {
         "truncate": "manifest says",
         "empty": "empty",
@@ -158,40 +158,40 @@ def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damag
         "bitflip": "fails its checksum",
         "no_manifest": "has no manifest",
     }[damage]
-    with pytest.raises(checkpoint.CheckpointError, match=f"step_20.pt.*{reason}"):
-        checkpoint.load(newest, CPU)
-    path, state = checkpoint.load_for_resume("auto", tmp_path, CPU)
+    with pytest.raises(storage.CheckpointError, match=f"step_20.pt.*{reason}"):
+        storage.load(newest, CPU)
+    path, state = storage.load_for_resume("auto", tmp_path, CPU)
     assert path.name == "step_10.pt" and state["step"] == 10
 
 
 def test_auto_resume_refuses_to_start_over_when_no_checkpoint_loads(tmp_path) -> None:
-    directory = checkpoint.checkpoint_dir(tmp_path)
+    directory = storage.checkpoint_dir(tmp_path)
     directory.mkdir(parents=True)
     (directory / "step_5.pt").write_bytes(b"")
-    with pytest.raises(checkpoint.CheckpointError, match="no usable checkpoint.*step_5.pt"):
-        checkpoint.load_for_resume("auto", tmp_path, CPU)
+    with pytest.raises(storage.CheckpointError, match="no usable checkpoint.*step_5.pt"):
+        storage.load_for_resume("auto", tmp_path, CPU)
 
 
 def test_resume_never_and_empty_dir(tmp_path) -> None:
-    assert checkpoint.load_for_resume("never", tmp_path, CPU) is None
-    assert checkpoint.load_for_resume("auto", tmp_path, CPU) is None
-    with pytest.raises(checkpoint.CheckpointError, match="missing.pt does not exist"):
-        checkpoint.load_for_resume(str(tmp_path / "missing.pt"), tmp_path, CPU)
+    assert storage.load_for_resume("never", tmp_path, CPU) is None
+    assert storage.load_for_resume("auto", tmp_path, CPU) is None
+    with pytest.raises(storage.CheckpointError, match="missing.pt does not exist"):
+        storage.load_for_resume(str(tmp_path / "missing.pt"), tmp_path, CPU)
 
 
 def test_failed_write_leaves_previous_checkpoint_and_no_partial_file(tmp_path) -> None:
-    checkpoint.save({"model": {}, "step": 1}, tmp_path, step=1, keep=1, accuracy=None)
+    storage.save({"model": {}, "step": 1}, tmp_path, step=1, keep=1, accuracy=None)
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom during write")
 
     with pytest.raises(RuntimeError, match="boom"):
-        checkpoint.save(
+        storage.save(
             {"model": {}, "step": 2, "bad": Unpicklable()}, tmp_path, step=2, keep=1, accuracy=None
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.manifest.json", "step_1.pt"]
-    assert checkpoint.load(tmp_path / "step_1.pt", CPU)["step"] == 1
+    assert storage.load(tmp_path / "step_1.pt", CPU)["step"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ class EvalPayload:
 
 
 def _payload_checkpoint(tmp_path: Path, variant: str, marker: str) -> Path:
-    directory = checkpoint.checkpoint_dir(tmp_path)
+    directory = storage.checkpoint_dir(tmp_path)
     objs = training_objects()
     take_steps(objs, 1, seed=0)
     state = state_of(objs, 7)
@@ -239,10 +239,10 @@ def _payload_checkpoint(tmp_path: Path, variant: str, marker: str) -> Path:
         directory.mkdir(parents=True)
         path.write_bytes(pickle.dumps({"model": {}, "step": 7, "x": Payload(marker)}))
     else:  # written by the pipeline's own save: the manifest vouches for these bytes
-        return checkpoint.save(state, directory, step=7, keep=2, accuracy=None)
-    digest = checkpoint.file_crc32(path)  # a valid manifest: only weights_only stands guard
+        return storage.save(state, directory, step=7, keep=2, accuracy=None)
+    digest = storage.file_crc32(path)  # a valid manifest: only weights_only stands guard
     size = path.stat().st_size
-    checkpoint.manifest_path(path).write_text(
+    storage.manifest_path(path).write_text(
         json.dumps({"file": path.name, "bytes": size, "crc32": digest, "step": 7})
     )
     return path
@@ -256,10 +256,10 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path, variant) -> None:
     marker = str(tmp_path / "payload-ran")
     path = _payload_checkpoint(tmp_path, variant, marker)
     assert not os.path.exists(marker)  # saving did not run it either
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_7.pt is refused.*weights_only"):
-        checkpoint.load(path, CPU)
-    with pytest.raises(checkpoint.CheckpointError, match="no usable checkpoint"):
-        checkpoint.load_for_resume("auto", tmp_path, CPU)  # skipped, never loaded unsafely
+    with pytest.raises(storage.CheckpointError, match=r"step_7.pt is refused.*weights_only"):
+        storage.load(path, CPU)
+    with pytest.raises(storage.CheckpointError, match="no usable checkpoint"):
+        storage.load_for_resume("auto", tmp_path, CPU)  # skipped, never loaded unsafely
     assert not os.path.exists(marker)
 
 
@@ -267,10 +267,11 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path, variant) -> None:
 # SIGKILL in the middle of a save
 
 _SAVE_AGAIN = """
-import sys, torch, checkpoint, faults
+import sys, torch, faults
+from ckpt import storage
 faults.install_from_environment()
 state = {"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}
-checkpoint.save(state, checkpoint.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
+storage.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
 """
 
 
@@ -282,8 +283,8 @@ checkpoint.save(state, checkpoint.checkpoint_dir(sys.argv[1]), step=2, keep=1, a
 def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survivor) -> None:
     """A real SIGKILL at each stage of writing step 2 (keep=1: step 1 is due for deletion).
     Before the manifest exists step 1 must survive; after it, step 2 is complete."""
-    directory = checkpoint.checkpoint_dir(tmp_path)
-    checkpoint.save({"model": {"w": torch.full((200_000,), 1.0)}, "step": 1}, directory, 1, 1, 0.9)
+    directory = storage.checkpoint_dir(tmp_path)
+    storage.save({"model": {"w": torch.full((200_000,), 1.0)}, "step": 1}, directory, 1, 1, 0.9)
     env = {
         **os.environ,
         "TRAIN_FAULTS": f"sigkill@save={stage}",
@@ -296,19 +297,20 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survi
     names = {p.name for p in directory.iterdir()}
     if stage in ("partial", "written"):
         assert any(name.endswith(".tmp") for name in names), names  # the write was cut short
-    path, state = checkpoint.load_for_resume("auto", tmp_path, CPU)
+    path, state = storage.load_for_resume("auto", tmp_path, CPU)
     assert state["step"] == survivor and path.name == f"step_{survivor}.pt"
     assert torch.equal(state["model"]["w"], torch.full((200_000,), float(survivor)))
     # The next save cleans up what the killed one left behind.
-    checkpoint.save({"model": {}, "step": 3}, directory, 3, 1, None)
+    storage.save({"model": {}, "step": 3}, directory, 3, 1, None)
     assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
 
 
 _RESAVE = """
-import sys, torch, checkpoint, faults
+import sys, torch, faults
+from ckpt import storage
 faults.install_from_environment()
 state = {"model": {"w": torch.full((200_000,), 3.0)}, "step": 2}
-checkpoint.save(state, checkpoint.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
+storage.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
 """
 
 
@@ -321,8 +323,8 @@ def test_sigkill_during_a_resave_of_the_same_step_keeps_it_loadable(tmp_path, st
     """A resumed run saves again the step it was preempted at. With keep=1 that step's
     checkpoint is the only one: a kill at any stage of the re-save must leave it loadable, as
     the old bytes until the new ones are renamed into place, as the new ones after."""
-    directory = checkpoint.checkpoint_dir(tmp_path)
-    checkpoint.save({"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}, directory, 2, 1, 0.4)
+    directory = storage.checkpoint_dir(tmp_path)
+    storage.save({"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}, directory, 2, 1, 0.4)
     env = {
         **os.environ,
         "TRAIN_FAULTS": f"sigkill@save={stage}",
@@ -332,10 +334,10 @@ def test_sigkill_during_a_resave_of_the_same_step_keeps_it_loadable(tmp_path, st
         [sys.executable, "-c", _RESAVE, str(tmp_path)], env=env, cwd=REPO, timeout=120
     )
     assert proc.returncode == -9
-    path, state = checkpoint.load_for_resume("auto", tmp_path, CPU)
+    path, state = storage.load_for_resume("auto", tmp_path, CPU)
     assert path.name == "step_2.pt"
     assert torch.equal(state["model"]["w"], torch.full((200_000,), value))
-    checkpoint.save({"model": {}, "step": 3}, directory, 3, 1, None)  # cleans up what was left
+    storage.save({"model": {}, "step": 3}, directory, 3, 1, None)  # cleans up what was left
     left = os.listdir(directory)
     assert not [name for name in left if name.endswith(".tmp") or ".next." in name], left
 
@@ -348,18 +350,18 @@ def test_async_save_writes_the_state_as_it_was_when_called(tmp_path) -> None:
     objs = training_objects()
     take_steps(objs, 2, seed=0)
     expected = {k: v.clone() for k, v in objs[0].state_dict().items()}
-    saver = checkpoint.AsyncSaver()
+    saver = storage.AsyncSaver()
     saver.save(state_of(objs, 2), tmp_path, step=2, keep=2, accuracy=None)
     take_steps(objs, 2, seed=1)  # training goes on and changes the weights in place
     saver.wait()
-    state = checkpoint.load(tmp_path / "step_2.pt", CPU)
+    state = storage.load(tmp_path / "step_2.pt", CPU)
     for key, value in expected.items():
         assert torch.equal(state["model"][key], value), key
     assert not torch.equal(state["model"]["stem.0.weight"], objs[0].state_dict()["stem.0.weight"])
 
 
 def test_async_save_failure_is_raised_by_the_next_call(tmp_path) -> None:
-    saver = checkpoint.AsyncSaver()
+    saver = storage.AsyncSaver()
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
     saver.save({"model": {}, "step": 1}, blocker, step=1, keep=1, accuracy=None)
@@ -375,36 +377,36 @@ def test_a_non_finite_model_is_never_checkpointed(tmp_path, bad) -> None:
     state["model"]["head.bias"] = state["model"]["head.bias"].clone()
     state["model"]["head.bias"][3] = bad
     with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
-        checkpoint.save(state, tmp_path, step=4, keep=2, accuracy=None)
-    saver = checkpoint.AsyncSaver()
+        storage.save(state, tmp_path, step=4, keep=2, accuracy=None)
+    saver = storage.AsyncSaver()
     saver.save(state, tmp_path, step=4, keep=2, accuracy=None)  # checked in the background
     with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
         saver.wait()
     assert not list(tmp_path.iterdir())
     huge = state_of(objs, 5)
     huge["model"]["head.bias"] = torch.full((10,), 3e38)  # finite, but its norm overflows
-    checkpoint.save(huge, tmp_path, step=5, keep=2, accuracy=None)
+    storage.save(huge, tmp_path, step=5, keep=2, accuracy=None)
 
 
 @pytest.mark.parametrize("given", ["run_dir", "checkpoints_dir"])
 def test_resume_from_a_directory_takes_its_newest_usable_checkpoint(tmp_path, given) -> None:
     other = tmp_path / "other_run"
-    directory = checkpoint.checkpoint_dir(other)
+    directory = storage.checkpoint_dir(other)
     for step in (3, 6, 9):
         state = {"model": {"w": torch.full((4,), float(step))}, "step": step}
-        checkpoint.save(state, directory, step=step, keep=5, accuracy=None)
+        storage.save(state, directory, step=step, keep=5, accuracy=None)
     (directory / "step_9.pt").write_bytes(b"torn")  # the newest does not load: skipped
     resume = str(other if given == "run_dir" else directory)
-    path, state = checkpoint.load_for_resume(resume, tmp_path / "this_run", CPU)
+    path, state = storage.load_for_resume(resume, tmp_path / "this_run", CPU)
     assert path == directory / "step_6.pt" and state["step"] == 6
     assert torch.equal(state["model"]["w"], torch.full((4,), 6.0))
     # This run's own directory given explicitly: its later (unloadable) checkpoint is the one
     # that was skipped, as with auto, not another run's history.
-    checkpoint.refuse_later_checkpoints(other, 6, resume)
-    with pytest.raises(checkpoint.CheckpointError, match=r"steps \[9\]"):
-        checkpoint.refuse_later_checkpoints(other, 6, str(directory / "step_6.pt"))
+    storage.refuse_later_checkpoints(other, 6, resume)
+    with pytest.raises(storage.CheckpointError, match=r"steps \[9\]"):
+        storage.refuse_later_checkpoints(other, 6, str(directory / "step_6.pt"))
 
 
 def test_resume_from_a_directory_without_checkpoints_says_so(tmp_path) -> None:
-    with pytest.raises(checkpoint.CheckpointError, match=f"no checkpoint in {tmp_path}"):
-        checkpoint.load_for_resume(str(tmp_path), tmp_path / "run", CPU)
+    with pytest.raises(storage.CheckpointError, match=f"no checkpoint in {tmp_path}"):
+        storage.load_for_resume(str(tmp_path), tmp_path / "run", CPU)

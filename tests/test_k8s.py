@@ -902,7 +902,7 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 def test_every_pod_of_a_job_gets_the_same_explicit_rendezvous_id(name) -> None:
     """torchrun's --rdzv-id (PET_RDZV_ID, torch/distributed/run.py, argparse_util.env) becomes
     LaunchConfig.run_id, the rendezvous handler's run id, and the workers' TORCHELASTIC_RUN_ID
-    (elastic/agent/server/local_elastic_agent.py), which rundir.job_id takes for the job's
+    (elastic/agent/server/local_elastic_agent.py), which ckpt.rundir.job_id takes for the job's
     identity. Its default, "none", makes that identity the agent's pid instead. The id must
     be the same in every pod and survive pod and JobSet restarts: the job's name is."""
     docs = manifest(name)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, launch, rows, train_command, wait_for_train_rows
 
-import rundir
+from ckpt import rundir
 
 # A lease holder or contender in its own process: `python -c PROGRAM MODE ARGS`.
 #   hold DIR TIMEOUT      take the lease, print "held", then check it every 50 ms; once it is
@@ -38,7 +38,7 @@ PROGRAM = f"""
 import sys, time
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
-import rundir
+from ckpt import rundir
 
 mode = sys.argv[1]
 if mode == "contend":
@@ -129,7 +129,7 @@ def test_two_contenders_for_a_dead_holders_lease_never_both_win(tmp_path) -> Non
         [
             sys.executable,
             "-c",
-            f"import sys, time; sys.path.insert(0, {str(REPO)!r}); import rundir\n"
+            f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from ckpt import rundir\n"
             "leases = [rundir.Lease(__import__('pathlib').Path(d), 60.0) for d in sys.argv[1:]]\n"
             "[lease.acquire() for lease in leases]\nprint('held', flush=True)\ntime.sleep(600)",
             *map(str, dirs),

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-import checkpoint
 import resilience
-import state
 import train
+from ckpt import parts, storage
+from ckpt.manager import FORMAT, CheckpointManager
 from config import Config, ConfigError, parse_args
 from distributed import DistInfo
 
@@ -36,7 +36,7 @@ class Recorder:
 
 def saved_state(cfg: Config, **overrides) -> dict:
     saved = {
-        "format": state.FORMAT,
+        "format": FORMAT,
         "model": {},
         "optimizer": {},
         "scheduler": {},
@@ -54,17 +54,17 @@ def saved_state(cfg: Config, **overrides) -> dict:
 
 
 def manager_with(
-    cfg: Config, info: DistInfo = ONE, **parts: Any
-) -> tuple[state.CheckpointManager, state.Position]:
+    cfg: Config, info: DistInfo = ONE, **given: Any
+) -> tuple[CheckpointManager, parts.Position]:
     """A manager with the Trainer's parts: a real Position, Recorders for the rest."""
-    manager = state.CheckpointManager(cfg, info, num_train=60000, data_fingerprint="abc")
-    position = state.Position()
+    manager = CheckpointManager(cfg, info, num_train=60000, data_fingerprint="abc")
+    position = parts.Position()
     for name in PARTS:
-        manager.register(name, parts.get(name, position if name == "position" else Recorder()))
+        manager.register(name, given.get(name, position if name == "position" else Recorder()))
     return manager, position
 
 
-def resume(cfg: Config, saved: dict, info: DistInfo = ONE, name: str = "c.pt") -> state.Position:
+def resume(cfg: Config, saved: dict, info: DistInfo = ONE, name: str = "c.pt") -> parts.Position:
     manager, position = manager_with(cfg, info)
     manager.restore(Path(name), saved)
     return position
@@ -87,7 +87,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_where_it_stood() -> None:
 
 def test_a_checkpoint_of_a_newer_format_is_refused() -> None:
     cfg = Config()
-    with pytest.raises(checkpoint.CheckpointError, match="c.pt has format 3, newer"):
+    with pytest.raises(storage.CheckpointError, match="c.pt has format 3, newer"):
         resume(cfg, saved_state(cfg, format=3))
 
 
@@ -118,7 +118,7 @@ def test_checkpoint_from_elsewhere_is_named() -> None:
     cfg = Config()
     saved = saved_state(cfg)
     del saved["scaler"], saved["rng"], saved["world_size"]
-    with pytest.raises(checkpoint.CheckpointError, match="x.pt lacks rng, scaler, world_size"):
+    with pytest.raises(storage.CheckpointError, match="x.pt lacks rng, scaler, world_size"):
         resume(cfg, saved, name="x.pt")
 
 
@@ -135,8 +135,8 @@ def test_model_mismatch_names_the_checkpoint() -> None:
     splits = train.data.DataSplits(None, None, (1, 28, 28), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
     model = train.build_model(cfg, splits, ONE)
     other = train.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
-    manager, _ = manager_with(cfg, model=state.ModelState(model))
-    with pytest.raises(checkpoint.CheckpointError, match="old.pt does not fit this run's model"):
+    manager, _ = manager_with(cfg, model=parts.ModelState(model))
+    with pytest.raises(storage.CheckpointError, match="old.pt does not fit this run's model"):
         manager.restore(Path("old.pt"), saved_state(cfg, model=other.state_dict()))
 
 
@@ -222,22 +222,22 @@ def test_syncbatch_on_cpu_ranks_is_refused_with_advice_the_model_takes() -> None
 
 
 def test_fresh_run_in_a_used_run_dir_is_refused(tmp_path) -> None:
-    checkpoint.save({"model": {}, "step": 40}, checkpoint.checkpoint_dir(tmp_path), 40, 2, None)
-    with pytest.raises(checkpoint.CheckpointError, match=r"steps \[40\].*new --run.dir"):
-        checkpoint.refuse_later_checkpoints(tmp_path, 0, "never")
-    checkpoint.refuse_later_checkpoints(tmp_path, 40, "path/to/step_40.pt")  # nothing later
-    checkpoint.refuse_later_checkpoints(tmp_path, 10, "auto")  # later ones were unloadable
+    storage.save({"model": {}, "step": 40}, storage.checkpoint_dir(tmp_path), 40, 2, None)
+    with pytest.raises(storage.CheckpointError, match=r"steps \[40\].*new --run.dir"):
+        storage.refuse_later_checkpoints(tmp_path, 0, "never")
+    storage.refuse_later_checkpoints(tmp_path, 40, "path/to/step_40.pt")  # nothing later
+    storage.refuse_later_checkpoints(tmp_path, 10, "auto")  # later ones were unloadable
 
 
 def test_retention_never_deletes_the_checkpoint_just_written(tmp_path) -> None:
     for step in (10, 20):
-        checkpoint.save({"model": {}, "step": step}, tmp_path, step, keep=1, accuracy=0.9)
+        storage.save({"model": {}, "step": step}, tmp_path, step, keep=1, accuracy=0.9)
     # An unloadable later checkpoint that resume=auto skipped, and a stale best.json from it.
     (tmp_path / "step_30.pt").write_bytes(b"")
     (tmp_path / "best.json").write_text('{"step": 30, "accuracy": 0.99}')
-    checkpoint.save({"model": {}, "step": 25}, tmp_path, 25, keep=1, accuracy=0.5)
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [25, 30]
-    assert checkpoint.read_best(tmp_path) == {"step": 25, "accuracy": 0.5}
+    storage.save({"model": {}, "step": 25}, tmp_path, 25, keep=1, accuracy=0.5)
+    assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [25, 30]
+    assert storage.read_best(tmp_path) == {"step": 25, "accuracy": 0.5}
 
 
 def test_rng_states_round_trip_through_a_checkpoint(tmp_path) -> None:
@@ -246,18 +246,16 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path) -> None:
 
     import numpy as np
 
-    import resilience
-
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
     random.random(), np.random.rand(), torch.rand(1)  # advance them somewhere
-    state = resilience.rng_state()
+    state = parts.rng_state()
     expected = (random.random(), np.random.rand(), torch.rand(3))
     path = tmp_path / "rng.pt"
     torch.save({"rng": [state]}, path)
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    resilience.set_rng_state(torch.load(path, weights_only=True)["rng"][0])
+    parts.set_rng_state(torch.load(path, weights_only=True)["rng"][0])
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert again[0] == expected[0] and again[1] == expected[1]
     assert torch.equal(again[2], expected[2])
@@ -268,8 +266,8 @@ def test_resuming_with_other_class_folders_is_refused_naming_them() -> None:
     the data, so the checkpoint's class list must match."""
     cfg = Config()
     classes = ("cat", "dog", "fox")
-    manager = state.CheckpointManager(cfg, ONE, 60000, "abc", classes=classes)
-    manager.register("position", state.Position())
+    manager = CheckpointManager(cfg, ONE, 60000, "abc", classes=classes)
+    manager.register("position", parts.Position())
     assert manager._meta(3, None, False)["classes"] == list(classes)
     manager.restore(Path("same.pt"), saved_state(cfg, classes=["cat", "dog", "fox"]))
     with pytest.raises(
@@ -352,7 +350,7 @@ def test_turning_the_weight_average_on_at_a_resume_starts_it_from_the_resumed_we
     cfg = Config()
     model = torch.nn.Linear(2, 2)
     saved = saved_state(cfg, model={"weight": torch.full((2, 2), 3.0), "bias": torch.zeros(2)})
-    manager, _ = manager_with(cfg, model=state.ModelState(model))
+    manager, _ = manager_with(cfg, model=parts.ModelState(model))
     average = engine.WeightAverage(model, decay=0.9)
     manager.register("ema", average, ("train.ema_decay", average.restart))
     with caplog.at_level("WARNING"):
@@ -360,7 +358,7 @@ def test_turning_the_weight_average_on_at_a_resume_starts_it_from_the_resumed_we
     assert "train.ema_decay was not set when checkpoint c.pt was written" in caplog.text
     assert average.updates == 0 and torch.equal(average.averaged.weight, torch.full((2, 2), 3.0))
     without_ledger = {key: value for key, value in saved.items() if key != "ledger"}
-    with pytest.raises(checkpoint.CheckpointError, match="c.pt lacks ledger"):
+    with pytest.raises(storage.CheckpointError, match="c.pt lacks ledger"):
         manager.restore(Path("c.pt"), without_ledger)
 
 

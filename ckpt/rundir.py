@@ -73,8 +73,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import checkpoint
 import exitcodes
+from ckpt import storage
 from config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     payload = (json.dumps(value) + "\n").encode()
-    checkpoint.atomic_write_bytes(path, lambda f: f.write(payload))
+    storage.atomic_write_bytes(path, lambda f: f.write(payload))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,10 +541,10 @@ def continues_from_own_checkpoints(run_dir: Path, resume: str) -> bool:
     record = _read_json(Path(run_dir) / ORIGIN_FILE)
     if not record or record.get("resume") != origin_of(resume):
         return False
-    directory = checkpoint.checkpoint_dir(run_dir)
+    directory = storage.checkpoint_dir(run_dir)
     return any(
-        step >= int(record.get("step", 0)) and checkpoint.manifest_path(path).is_file()
-        for step, path in checkpoint.list_checkpoints(directory)
+        step >= int(record.get("step", 0)) and storage.manifest_path(path).is_file()
+        for step, path in storage.list_checkpoints(directory)
     )
 
 

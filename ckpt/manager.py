@@ -7,7 +7,7 @@ torch's own optimizers, schedulers and scalers already do), and is registered by
 `CheckpointManager`. The manager owns the rest: which checkpoint a run resumes from (rank 0
 chooses, every rank loads the same file), whether this run can continue it, when saves
 happen, the metadata beside the parts, and the write (rank 0, atomic, verified, optionally in
-the background; see checkpoint.py for the on-disk guarantees). Adding saved state is one
+the background; see ckpt/storage.py for the on-disk guarantees). Adding saved state is one
 `manager.register(name, part)`.
 
 A part's `state_dict` may be a collective (the random generators and the ledger gather every
@@ -18,21 +18,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkable Protocol
 
-import checkpoint
 import distributed
-import resilience
-import rundir
+from ckpt import rundir, storage
 from config import Config, ConfigError, global_batch_size
 from distributed import DistInfo
 
@@ -59,152 +54,6 @@ NON_MATH_KEYS = {
     "model.channels_last",
     "optim.impl",
 }
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------------
-# The parts
-
-
-@dataclass
-class Position:
-    """Where training stands: optimizer steps done, and the loader's place in which epoch.
-
-    `samples_in_epoch` (summed over ranks) is what a resume continues from: it means the same
-    on any world size, and the sampler hands the new ranks the rest of the epoch.
-    """
-
-    step: int = 0
-    epoch: int = 0
-    samples_in_epoch: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.samples_in_epoch = int(state["samples_in_epoch"])
-
-
-class ModelState:
-    """The bare model's weights and buffers (no `module.` or `_orig_mod.` prefixes).
-
-    Saves rank 0's BatchNorm statistics as they are, without averaging them over ranks: DDP
-    broadcasts rank 0's buffers at the start of the next forward anyway, so they are the
-    model's true state, and leaving them alone keeps a run with checkpoints bit-identical to
-    one without (evaluation, at epoch ends, averages them in every run alike).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return distributed.unwrap_model(self.model).state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        distributed.unwrap_model(self.model).load_state_dict(state)
-
-
-class SchedulerState:
-    """The LR schedule's step count, and this run's optimizer settings put back after loading.
-
-    `optimizer.load_state_dict` restores each group's lr, momentum, weight decay, betas (and
-    the kernel choice), `scheduler.load_state_dict` the peak lrs (`base_lrs`): without this a
-    changed --optim.lr or --optim.weight_decay would be ignored while the new checkpoint's
-    config records it. The step count (`last_epoch`) and the optimizer's per-parameter state
-    (momentum buffers, Adam moments) stay as loaded; the lr becomes this run's schedule at the
-    current step. Register it after the optimizer. Changes are logged as checkpoint -> now.
-    """
-
-    def __init__(
-        self, scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer
-    ) -> None:
-        self.scheduler, self.optimizer = scheduler, optimizer
-        # What this run's config built: loading replaces it with the checkpoint's values.
-        self.configured = [
-            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
-        ]
-        self.base_lrs = list(scheduler.base_lrs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-        changed: dict[str, tuple[Any, Any]] = {}
-        groups = self.optimizer.param_groups
-        for group, wanted, base_lr in zip(groups, self.configured, self.base_lrs, strict=True):
-            if group.get("initial_lr") != base_lr:
-                changed.setdefault("peak lr", (group.get("initial_lr"), base_lr))
-            group["initial_lr"] = base_lr
-            for key, value in wanted.items():
-                if key not in ("lr", "initial_lr") and group.get(key) != value:
-                    changed.setdefault(key, (group.get(key), value))
-                    group[key] = value
-        scheduler = self.scheduler
-        scheduler.base_lrs = list(self.base_lrs)
-        lrs = [
-            base_lr * lr_lambda(scheduler.last_epoch)
-            for lr_lambda, base_lr in zip(scheduler.lr_lambdas, self.base_lrs, strict=True)
-        ]
-        for group, lr in zip(groups, lrs, strict=True):
-            group["lr"] = lr
-        scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
-        if changed:
-            log.info(
-                "resumed optimizer now uses the configured settings (checkpoint -> now): %s; "
-                "lr at step %d is %.6g",
-                "; ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()),
-                scheduler.last_epoch,
-                lrs[0],
-            )
-
-
-class ScalerState:
-    """The fp16 GradScaler (an empty state when disabled: bf16 and fp32 need none)."""
-
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            self.scaler.load_state_dict(state)
-        elif self.scaler.is_enabled():
-            log.warning("the checkpoint has no fp16 GradScaler state: starting a fresh scaler")
-
-
-class RngState:
-    """Every rank's random generators (python, numpy, torch, CUDA): a collective to save.
-
-    Resumed on another world size there is no saved state for some ranks: every rank then
-    reseeds deterministically from (seed, rank, step).
-    """
-
-    def __init__(self, info: DistInfo, seed: int, position: Position) -> None:
-        self.info, self.seed, self.position = info, seed, position
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"per_rank": distributed.all_gather_object(resilience.rng_state())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        per_rank = state["per_rank"]
-        if len(per_rank) == self.info.world_size:
-            resilience.set_rng_state(per_rank[self.info.rank])
-            return
-        seed_everything(self.seed + self.info.rank + 7919 * self.position.step)
-        log.info("world size changed: random generators reseeded from (seed, rank, step)")
-
-
-# ---------------------------------------------------------------------------------------------
-# The manager
 
 
 @dataclass(frozen=True)
@@ -235,8 +84,8 @@ class CheckpointManager:
         self.num_train, self.data_fingerprint = num_train, data_fingerprint
         self.classes = list(classes) if classes is not None else None  # label -> class name
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
-        self.directory = checkpoint.checkpoint_dir(cfg.run.dir)
-        self.saver = checkpoint.AsyncSaver() if cfg.ckpt.async_save else None
+        self.directory = storage.checkpoint_dir(cfg.run.dir)
+        self.saver = storage.AsyncSaver() if cfg.ckpt.async_save else None
         self.parts: dict[str, Stateful] = {}
         # Parts a setting turns on: name -> (setting, how the part starts when a checkpoint
         # written without it is resumed).
@@ -281,14 +130,14 @@ class CheckpointManager:
         `pending_eval`: written where an evaluation is owed (a preemption at the end of an
         epoch): the resumed run evaluates first, exactly as this one would have.
         """
-        parts = {name: part.state_dict() for name, part in self.parts.items()}
+        states = {name: part.state_dict() for name, part in self.parts.items()}
 
         def write() -> None:
             if self.lease is not None:
                 self.lease.check()  # another job took the run dir over: write nothing
-            state = {**parts, **self._meta(step, accuracy, pending_eval)}
+            state = {**states, **self._meta(step, accuracy, pending_eval)}
             if self.saver is None:
-                checkpoint.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
+                storage.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
                 return
             self.saver.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
             if wait:
@@ -358,7 +207,7 @@ class CheckpointManager:
             try:
                 part.load_state_dict(state[name])
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
-                raise checkpoint.CheckpointError(
+                raise storage.CheckpointError(
                     f"checkpoint {path} does not fit this run's {name} (did model.* or "
                     f"optim.name change?): {err}"
                 ) from err
@@ -378,10 +227,8 @@ class CheckpointManager:
                     "ckpt.resume=%s started this run: continuing from its own checkpoints", resume
                 )
                 resume = "auto"  # a restart repeating the command: PATH only initialised the run
-            found = checkpoint.load_for_resume(resume, cfg.run.dir, info.device)
-            checkpoint.refuse_later_checkpoints(
-                cfg.run.dir, found[1]["step"] if found else 0, resume
-            )
+            found = storage.load_for_resume(resume, cfg.run.dir, info.device)
+            storage.refuse_later_checkpoints(cfg.run.dir, found[1]["step"] if found else 0, resume)
             chosen.append(found)
 
         distributed.run_on_main(info, "choosing the checkpoint to resume from", choose)
@@ -392,7 +239,7 @@ class CheckpointManager:
         error: Exception | None = None
         if state is None:  # every rank but 0
             try:
-                state = checkpoint.load(path, info.device)
+                state = storage.load(path, info.device)
             except Exception as err:  # e.g. this node cannot see rank 0's file: never skip the vote
                 error = err
         distributed.raise_if_any_failed(info, error, f"loading {path}")
@@ -409,7 +256,7 @@ class CheckpointManager:
         required = [key for key in self.parts if key not in self.optional]
         missing = [key for key in (*required, *_REQUIRED_META) if key not in state]
         if missing:
-            raise checkpoint.CheckpointError(
+            raise storage.CheckpointError(
                 f"checkpoint {path} lacks {', '.join(missing)}: not written by this version of "
                 "the pipeline"
             )
@@ -488,7 +335,7 @@ def upgrade(state: dict[str, Any], path: Path) -> dict[str, Any]:
     if version == FORMAT:
         return state
     if version != 1:
-        raise checkpoint.CheckpointError(
+        raise storage.CheckpointError(
             f"checkpoint {path} has format {version!r}, newer than this pipeline's {FORMAT}: "
             "resume it with the version of the pipeline that wrote it"
         )
