@@ -94,6 +94,8 @@ MINI_RESNET = "mini_resnet"
 # data.bad_images=skip, or a factory's own): cross-entropy's default ignore_index, so its loss
 # and gradient are 0.
 IGNORED = -100
+# dist.strategy values that shard parameters (FSDP2): parallel.py
+SHARDED_STRATEGIES = ("fsdp", "hybrid")
 NO_SIGNALS = "none"  # run.preempt_signals=none: no preemption checkpoint
 SIGNAL_NAMES = (
     "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught), or none "
@@ -488,13 +490,29 @@ class CkptConfig(_Section):
 
 @dataclass(frozen=True)
 class DistConfig(_Section):
-    """The process group and DistributedDataParallel."""
+    """The process group and how the model is spread over the ranks."""
 
     _name: ClassVar[str] = "dist"
 
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """process-group backend: auto = nccl when CUDA is available, gloo
     otherwise"""
+    strategy: Literal["ddp", "zero", "fsdp", "hybrid"] = "ddp"
+    """ddp: every rank holds the whole model, gradients and optimizer
+    state; zero: ddp with the optimizer state sharded over the ranks;
+    fsdp: parameters, gradients and optimizer state sharded (FSDP2
+    fully_shard); hybrid: fsdp within a node, replicated across nodes
+    (README "Models that outgrow one device")"""
+    fsdp_units: str = "auto"
+    """fsdp/hybrid: the modules sharded as units, each gathering its
+    parameters for its own forward and backward: auto = every instance of
+    the repeated block class holding the most parameters (MiniResNet's
+    BasicBlock, ResNet's Bottleneck, ViT's EncoderBlock); or class names,
+    comma-separated"""
+    reshard_after_forward: bool = True
+    """fsdp/hybrid: free a unit's gathered parameters after its forward
+    and gather them again for its backward (less memory, one more
+    all-gather per unit)"""
     timeout_s: float = 300.0
     """seconds a collective may wait for the slowest rank before the job
     fails"""
@@ -579,6 +597,20 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        if self.dist.strategy in SHARDED_STRATEGIES:
+            where = f"dist.strategy={self.dist.strategy}"
+            if self.train.amp == "fp16":
+                raise ConfigError(
+                    f"train.amp=fp16 cannot be combined with {where}: the fp16 loss scaler "
+                    "checks each rank's own gradient shard for infinities, so ranks could "
+                    "disagree on skipping a step; use train.amp=bf16 (no scaler needed)"
+                )
+            if self.model.norm == "syncbatch":
+                raise ConfigError(
+                    f"model.norm=syncbatch cannot be combined with {where}: under fsdp every "
+                    "rank takes rank 0's BatchNorm statistics at each step (as DDP does); use "
+                    "model.norm=batch, or dist.strategy=ddp for SyncBatchNorm"
+                )
         if self.dist.static_graph and self.train.grad_accum_steps > 1:
             raise ConfigError(
                 f"dist.static_graph=true cannot be combined with train.grad_accum_steps="
@@ -960,6 +992,23 @@ _SCOPES = (
         " and ".join(f"data.dataset={name}" for name in _TORCHVISION_DATASETS),
         _dataset_is(*_TORCHVISION_DATASETS),
         _data,
+    ),
+    _Scope(
+        (
+            "dist.bucket_cap_mb",
+            "dist.gradient_as_bucket_view",
+            "dist.static_graph",
+            "dist.grad_compression",
+        ),
+        "dist.strategy=ddp and zero (DistributedDataParallel)",
+        lambda c: c.dist.strategy in ("ddp", "zero"),
+        lambda c: f"dist.strategy={c.dist.strategy}",
+    ),
+    _Scope(
+        ("dist.fsdp_units", "dist.reshard_after_forward"),
+        "dist.strategy=fsdp and hybrid",
+        lambda c: c.dist.strategy in SHARDED_STRATEGIES,
+        lambda c: f"dist.strategy={c.dist.strategy}",
     ),
     _Scope(
         ("optim.betas",),

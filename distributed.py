@@ -8,12 +8,11 @@ under `if rank == 0` hangs the other ranks until the timeout).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 # Re-exported for train.py: wrapping the entry point makes torchrun report the failing rank's
 # exception and traceback instead of a bare "exitcode 1".
 from torch.distributed.elastic.multiprocessing.errors import record as record
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 import exitcodes
@@ -163,12 +163,12 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def _active() -> bool:
+def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def barrier(info: DistInfo) -> None:
-    if not _active():
+    if not active():
         return
     if info.backend == "nccl":
         dist.barrier(device_ids=[info.local_rank])
@@ -178,7 +178,7 @@ def barrier(info: DistInfo) -> None:
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over ranks, in place, and return it."""
-    if _active():
+    if active():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
@@ -253,7 +253,7 @@ def run_on_node_leaders_bounded(
     bound plus a grace, started asynchronously and polled: the waiting ranks log progress,
     and past the bound fail with a message naming the work and the ranks doing it.
     """
-    if not _active():
+    if not active():
         run_on_main(info, what, fn, per_node=True)
         return
     import socket
@@ -307,7 +307,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     Objects are pickled on the wire, like everything in the c10d store: the cluster network
     must be trusted.
     """
-    if not _active():
+    if not active():
         return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
@@ -317,7 +317,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
     """Every rank's `values` (the same length on each), in rank order: one all-gather."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
-    if not _active():
+    if not active():
         return [values]
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
@@ -325,17 +325,94 @@ def all_gather_floats(values: list[float], device: torch.device) -> list[list[fl
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    if not _active():
+    if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if active() else 0
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Give every rank `src`'s values of `tensors`, in place: one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for t in group:
+            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Collective: whether `flag` is true on at least one rank."""
+    if not active():
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def full_tensor(value: Any) -> Any:
+    """A DTensor's whole tensor (a collective: every rank calls it for the same tensors);
+    anything else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a view of its storage); any other tensor itself."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def full_from_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which `local` is this rank's part, sharded as `like` is (a
+    collective under fsdp); `local` itself when `like` is not a DTensor."""
+    if not isinstance(like, DTensor):
+        return local
+    whole = DTensor.from_local(
+        local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )
+    return whole.full_tensor()
+
+
+def shard_like(full: Any, like: Any) -> Any:
+    """`full` (the same on every rank) as `like` holds it: this rank's shard when `like` is a
+    DTensor (sliced locally, no communication), else on `like`'s device and dtype."""
+    if not isinstance(full, torch.Tensor):
+        return full
+    if isinstance(like, DTensor):
+        full = full.to(device=like.device, dtype=like.dtype)
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    if isinstance(like, torch.Tensor):
+        return full.to(device=like.device, dtype=like.dtype)
+    return full
+
+
+def full_state_dict(module: nn.Module) -> dict[str, Any]:
+    """`module.state_dict()` with whole tensors (a collective under FSDP, where the parameters
+    are DTensor shards)."""
+    return {key: full_tensor(value) for key, value in module.state_dict().items()}
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
+    """Load whole tensors (the same on every rank) into `module`, each rank keeping its shard
+    of a sharded parameter."""
+    own = module.state_dict()
+    local = {key: shard_like(value, own.get(key)) for key, value in state.items()}
+    module.load_state_dict(local, strict=strict)
+
+
 def weights_digest(module: nn.Module) -> str:
     """A SHA-256 of the module's parameters and buffers, by name (a copy to the CPU)."""
     digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
+    for name, tensor in full_state_dict(module).items():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
@@ -345,7 +422,7 @@ def check_same_weights(module: nn.Module, what: str) -> None:
     """Collective: ConfigError on every rank, naming the ranks, unless every rank's module holds
     the same weights after `what` (a file read on each node, which nodes may hold in different
     versions)."""
-    if not _active() or dist.get_world_size() == 1:
+    if not active() or dist.get_world_size() == 1:
         return
     digests = all_gather_object(weights_digest(module))
     if len(set(digests)) > 1:
@@ -444,21 +521,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip DDP's gradient all-reduce inside this block when `enabled` is False.
-
-    Both forward and backward of a non-final accumulation micro-step must run inside
-    `no_sync()`: DDP decides in forward whether the following backward will all-reduce.
-    """
-    ddp = model if isinstance(model, DistributedDataParallel) else getattr(model, "_orig_mod", None)
-    if enabled or not isinstance(ddp, DistributedDataParallel):
-        yield
-        return
-    with ddp.no_sync():
-        yield
-
-
 def average_buffers(model: nn.Module) -> None:
     """Average floating-point buffers (BatchNorm running statistics) over ranks, in place.
 
@@ -467,7 +529,7 @@ def average_buffers(model: nn.Module) -> None:
     before evaluation makes every rank evaluate the same model (the epoch-end checkpoint, taken
     after evaluation, then holds the averaged statistics).
     """
-    if not _active():
+    if not active():
         return
     buffers = [b for b in unwrap_model(model).buffers() if b.is_floating_point()]
     if not buffers:

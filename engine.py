@@ -7,9 +7,8 @@ waits for the device, except `evaluate`, which returns Python numbers once at th
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import auto
 import distributed
+import parallel
 from config import IGNORED, OptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -40,11 +40,12 @@ def optimizer_kernels(impl: str) -> dict[str, bool]:
     return {"fused": impl == "fused", "foreach": impl == "foreach"}
 
 
-def build_optimizer(
+def optimizer_spec(
     model: nn.Module, cfg: OptimConfig, impl: str | None = None
-) -> torch.optim.Optimizer:
-    """SGD or AdamW; weight decay on conv/linear weights only, not on norm scales or biases.
-    `impl` is optim.impl as already resolved (the Trainer's auto.Auto); else resolved here."""
+) -> tuple[type[torch.optim.Optimizer], list[dict[str, Any]], dict[str, Any]]:
+    """(class, param groups, settings) of the optimizer: SGD or AdamW; weight decay on
+    conv/linear weights only, not on norm scales or biases. `impl` is optim.impl as already
+    resolved (the Trainer's auto.Auto); else resolved here."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [
@@ -54,15 +55,18 @@ def build_optimizer(
     device = next(model.parameters()).device
     kernels = optimizer_kernels(impl or auto.optimizer_impl(cfg.impl, device))
     if cfg.name == "sgd":
-        return torch.optim.SGD(
-            groups,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov and cfg.momentum > 0,
-            **kernels,
-        )
+        momentum = {"momentum": cfg.momentum, "nesterov": cfg.nesterov and cfg.momentum > 0}
+        return torch.optim.SGD, groups, {"lr": cfg.lr, **momentum, **kernels}
     beta1, beta2 = cfg.betas
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(beta1, beta2), **kernels)
+    return torch.optim.AdamW, groups, {"lr": cfg.lr, "betas": (beta1, beta2), **kernels}
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, impl: str | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer of `optimizer_spec`, every rank holding all of its state."""
+    cls, groups, settings = optimizer_spec(model, cfg, impl)
+    return cls(groups, **settings)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -119,17 +123,18 @@ def forward_backward(
     unscaled and clipped, ready for `apply_update` (or to be dropped if the step is skipped).
 
     The loss of each micro-batch is divided by their number so the accumulated gradient is
-    the mean over all of them, the same as one batch of the combined size. DDP averages over
-    ranks, so the step equals one step on the global batch.
+    the mean over all of them, the same as one batch of the combined size. DDP (or FSDP's
+    reduce-scatter) averages over ranks, so the step equals one step on the global batch.
     """
     device = micro_batches[0][0].device
     num_micro = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
     labelled = torch.zeros((), device=device, dtype=torch.long)
+    parallel.sync_buffers(model)  # fsdp: rank 0's BatchNorm statistics, as DDP gives them
     for i, (images, labels) in enumerate(micro_batches):
-        # Only the last micro-step all-reduces; forward AND backward sit inside no_sync.
-        with distributed.gradient_sync(model, enabled=i == num_micro - 1):
+        # Only the last micro-step reduces the gradients; forward AND backward sit inside.
+        with parallel.gradient_sync(model, enabled=i == num_micro - 1):
             with autocast(device, amp_dtype):
                 logits = model(images)
                 loss = loss_fn(logits, labels)
@@ -140,7 +145,8 @@ def forward_backward(
         labelled += counted
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     max_norm = grad_clip if grad_clip > 0 else math.inf
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # Under fsdp the norm is a DTensor: its whole value, the same on every rank.
+    grad_norm = distributed.full_tensor(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     num_samples = sum(len(labels) for _, labels in micro_batches)
     return StepStats(loss_sum, correct, num_samples, grad_norm, labelled)
 
@@ -183,16 +189,20 @@ class WeightAverage:
     ramped up as min(decay, (1 + n) / (10 + n)) over the first n updates so the average is not
     dominated by the random initial weights. Buffers (BatchNorm statistics) are not averaged:
     they are taken from the model as they are when evaluating. Every rank holds the same
-    weights, so every rank holds the same average, without communication.
+    weights (or, under fsdp, its shard of them), so every rank holds the same average (its
+    shard), without communication.
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         self.model = distributed.unwrap_model(model)
         self.decay = decay
         self.updates = 0
-        self.averaged = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self._params = [p for p in self.model.parameters()]
-        self._averages = [p for p in self.averaged.parameters()]
+        named = list(self.model.named_parameters())
+        self._names = [name for name, _ in named]
+        self._like = [p for _, p in named]
+        # This rank's values (under fsdp its shard of each parameter), and their averages.
+        self._params = [distributed.local_tensor(p.detach()) for p in self._like]
+        self._averages = [p.clone() for p in self._params]
 
     @torch.no_grad()
     def restart(self) -> None:
@@ -206,19 +216,36 @@ class WeightAverage:
         torch._foreach_lerp_(self._averages, self._params, 1.0 - decay)
         self.updates += 1
 
-    @torch.no_grad()
-    def for_evaluation(self) -> nn.Module:
-        """The averaged weights with the model's current buffers."""
-        for mine, theirs in zip(self.averaged.buffers(), self.model.buffers(), strict=True):
-            mine.copy_(theirs)
-        return self.averaged
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[nn.Module]:
+        """The model with the averaged weights (and its own buffers) inside this block; its
+        trained weights are put back after it."""
+        with torch.no_grad():
+            trained = [p.clone() for p in self._params]
+            torch._foreach_copy_(self._params, self._averages)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self._params, trained)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"updates": self.updates, "weights": self.averaged.state_dict()}
+        """Whole tensors (a collective under fsdp): the averaged weights by parameter name,
+        and the model's buffers beside them, a state_dict `--model.weights` can read."""
+        weights = distributed.full_state_dict(self.model)
+        for name, average, like in zip(self._names, self._averages, self._like, strict=True):
+            weights[name] = distributed.full_from_local(average, like)
+        return {"updates": self.updates, "weights": weights}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        weights = state["weights"]
+        missing = [name for name in self._names if name not in weights]
+        if missing:
+            raise KeyError(f"the weight average lacks {', '.join(missing[:8])}")
         self.updates = int(state["updates"])
-        self.averaged.load_state_dict(state["weights"])
+        for name, average, like in zip(self._names, self._averages, self._like, strict=True):
+            average.copy_(distributed.local_tensor(distributed.shard_like(weights[name], like)))
 
 
 def train_step(
@@ -250,10 +277,12 @@ def evaluate(
     device: torch.device,
     amp_dtype: torch.dtype | None,
     flip: bool = False,
+    input_shape: Sequence[int] | None = None,
 ) -> EvalResult:
     """Exact loss and accuracy over every rank's shard: (sum, count) all-reduced, no padding.
     `flip`: the logits are the mean of the image's and its mirror image's (test-time
-    augmentation, data.eval_flip).
+    augmentation, data.eval_flip). `input_shape`: one sample's, for the empty batches of a
+    sharded model.
 
     Runs the bare module: a forward through the DDP wrapper would broadcast buffers, a
     collective that ranks with fewer evaluation batches would never join.
@@ -262,7 +291,22 @@ def evaluate(
     was_training = bare.training
     bare.eval()
     totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
-    for images, labels in batches:
+    # Under fsdp a forward is a collective (each unit gathers its parameters): a rank whose
+    # shard has run out of batches runs empty ones until every rank's has.
+    sharded = parallel.is_sharded(bare)
+    loaded = iter(batches)
+    while True:
+        batch = next(loaded, None)
+        if sharded and not distributed.any_rank(batch is not None, device):
+            break
+        if batch is None:
+            if not sharded:
+                break
+            if input_shape is None:
+                raise ValueError("evaluate: a sharded model needs input_shape")
+            empty = torch.zeros((0, *input_shape), device=device)
+            batch = empty, torch.zeros(0, dtype=torch.long, device=device)
+        images, labels = batch
         with autocast(device, amp_dtype):
             logits = bare(images).float()
             if flip:

@@ -25,7 +25,7 @@ import resilience
 import saturation
 from ckpt import parts
 from config import Config
-from distributed import DistInfo
+from distributed import AllReduceTimer, DistInfo
 from engine import EvalResult, StepStats
 from metrics import (
     MetricsWriter,
@@ -94,7 +94,7 @@ class Instruments:
         self,
         cfg: Config,
         info: DistInfo,
-        model: nn.Module,
+        comm_timer: AllReduceTimer | None,
         writer: MetricsWriter,
         position: Any,  # parts.Position: its step and epoch label every row
         lr: Callable[[], float],
@@ -110,8 +110,7 @@ class Instruments:
         every = cfg.log.straggler_every_steps if info.world_size > 1 else 0
         self.stragglers = StragglerReport(info, every)
         self.watchdog = resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s)
-        bare = getattr(model, "_orig_mod", model)
-        self.allreduce_timer = getattr(bare, "allreduce_timer", None)  # set by wrap_model (DDP)
+        self.allreduce_timer = comm_timer  # the strategy's (parallel.Parallel.comm_timer)
         self.started = time.perf_counter()  # for time_s; `open` moves it back after a resume
         self.total_steps = 0
         self.skipped_total = 0

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+import distributed
 from config import MINI_RESNET, ConfigError, ModelConfig, load_factory
 
 log = logging.getLogger(__name__)
@@ -473,7 +474,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     ]
     if problems:
         raise ConfigError(f"{where} does not fit the model: {'; '.join(problems)}")
-    model.load_state_dict(kept, strict=False)
+    distributed.load_full_state_dict(model, kept, strict=False)  # each rank its fsdp shard
     log.info(
         "initialised the model from %s (%d tensors)%s",
         path,

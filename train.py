@@ -56,6 +56,7 @@ import distributed
 import engine
 import exitcodes
 import model as models
+import parallel
 import preflight
 import resilience
 import saturation
@@ -63,6 +64,7 @@ from ckpt import parts, rundir, storage
 from ckpt.manager import CheckpointManager
 from config import (
     IGNORED,
+    SHARDED_STRATEGIES,
     Config,
     ConfigError,
     for_world_size,
@@ -95,17 +97,46 @@ class Trainer:
         parts.seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
         splits = data.build_datasets(cfg.data, cfg.train.seed, info)
         data_fingerprint = data.fingerprint(splits)
-        if cfg.dist.preflight:
-            preflight.check(info, data_fingerprint, cfg.fingerprint())
-        if cfg.dist.preflight_bandwidth:
-            preflight.bandwidth(info)
-        # After preflight, so that a run.dir differing between nodes is reported as a config
-        # mismatch rather than as a run dir that is not shared.
-        check_run_dir_shared(info, self.run_dir)
+        check_job(cfg, info, data_fingerprint, self.run_dir)
         self.auto = auto.resolve(
             cfg, info, data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
         )
         log.info("settings: %s", self.auto.describe(cfg))
+        self.build_data(splits)
+        self.build_schedule()
+        # The strategy's one place: the model is wrapped before the optimizer, the weight
+        # average or the checkpoint sees a parameter.
+        self.parallel = parallel.parallelize(
+            build_model(cfg, splits, info, self.auto.channels_last),
+            info,
+            cfg.dist,
+            compile=self.auto.compile,
+            nvtx=cfg.log.nvtx,
+        )
+        self.model = self.parallel.model
+        self.build_optimization()
+        self.ema = (
+            engine.WeightAverage(self.parallel.bare, cfg.train.ema_decay)
+            if cfg.train.ema_decay
+            else None
+        )
+        self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
+        self.buffers = engine.BufferSnapshot(self.model)
+        self.guard = resilience.StepGuard(
+            info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
+        )
+        self.instruments = self.build_instruments(lease, stall_timeout_s)
+        warn_if_oversubscribed(cfg, info, self.auto)
+        self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
+        # The checkpoint resumed from was written on preemption at the end of an epoch (or of
+        # the run), before that segment's evaluation: evaluate (and save) before training on.
+        self.pending_eval = False
+
+    # -- building a run --------------------------------------------------------------------------
+
+    def build_data(self, splits: data.DataSplits) -> None:
+        """The train and evaluation loaders, the on-device preprocessing, the split sizes."""
+        cfg, info = self.cfg, self.info
         self.train_loader = data.build_train_loader(
             splits, cfg.data, info, cfg.train.seed, self.auto.loader, self.auto.decode
         )
@@ -119,6 +150,11 @@ class Trainer:
         # else samples labelled data.IGNORED by a data.factory.
         self.eval_from_folder = data.folder_of(splits.eval) is not None
         self.input_shape = splits.input_shape
+        self.num_classes = splits.num_classes
+
+    def build_schedule(self) -> None:
+        """Where training stands (the position), and how many steps and samples an epoch has."""
+        cfg = self.cfg
         self.position = parts.Position()
         self.steps_per_epoch = self.steps_left_in_epoch(consumed=0)
         if self.steps_per_epoch == 0:
@@ -127,62 +163,62 @@ class Trainer:
                 f"train.grad_accum_steps={cfg.train.grad_accum_steps}: lower it or "
                 "data.batch_size"
             )
-        self.samples_per_step = global_batch_size(cfg, info.world_size)
-        model = build_model(cfg, splits, info, self.auto.channels_last)
-        self.optimizer = engine.build_optimizer(model, cfg.optim, self.auto.optimizer_impl)
+        self.samples_per_step = global_batch_size(cfg, self.info.world_size)
+
+    def build_optimization(self) -> None:
+        """Optimizer (over the parallelized model's parameters), LR schedule, AMP, loss."""
+        cfg = self.cfg
+        kind, groups, settings = engine.optimizer_spec(
+            self.parallel.bare, cfg.optim, self.auto.optimizer_impl
+        )
+        self.optimizer = self.parallel.build_optimizer(kind, groups, **settings)
         # The schedule's length is read at each step: resuming may change it (total_steps).
         self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
         self.amp_dtype = self.auto.amp
-        self.scaler = engine.make_scaler(info.device, self.amp_dtype)
+        self.scaler = engine.make_scaler(self.info.device, self.amp_dtype)
         self.loss_fn: nn.Module = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+
+    def build_checkpointing(
+        self, lease: rundir.Lease | None, data_fingerprint: str, classes: list[str] | None
+    ) -> CheckpointManager:
+        """The sample ledger, and the manager with every part of the run registered."""
+        cfg, info = self.cfg, self.info
         self.ledger = parts.SampleLedger()
-        self.checkpoints = CheckpointManager(
-            cfg, info, self.num_train, data_fingerprint, lease, splits.classes
-        )
-        self.ema = engine.WeightAverage(model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        manager = CheckpointManager(cfg, info, self.num_train, data_fingerprint, lease, classes)
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
             ("rng", parts.RngState(info, cfg.train.seed, self.position)),
-            ("model", parts.ModelState(model)),
-            ("optimizer", self.optimizer),
+            ("model", parts.ModelState(self.parallel.bare)),
+            ("optimizer", parts.OptimizerState(self.optimizer)),
             ("scheduler", parts.SchedulerState(self.scheduler, self.optimizer)),
             ("scaler", parts.ScalerState(self.scaler)),
             ("ledger", self.ledger),
         ):
-            self.checkpoints.register(name, part)
+            manager.register(name, part)
         if self.ema is not None:  # after the model: a checkpoint without it starts it there
-            self.checkpoints.register("ema", self.ema, ("train.ema_decay", self.ema.restart))
-        self.model = distributed.wrap_model(model, info, cfg.dist, nvtx=cfg.log.nvtx)
-        if self.auto.compile:
-            self.model = torch.compile(self.model)
-        self.buffers = engine.BufferSnapshot(self.model)
-        self.guard = resilience.StepGuard(
-            info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
-        )
+            manager.register("ema", self.ema, ("train.ema_decay", self.ema.restart))
+        return manager
+
+    def build_instruments(
+        self, lease: rundir.Lease | None, stall_timeout_s: float | None
+    ) -> Instruments:
+        """Meters, clocks, watchdog and the metrics writer."""
         # Rank 0 writes metrics only while it holds the run dir (a lost lease stops the run at
         # the next step; until then its rows are dropped, never written over the new holder's).
         holds_run_dir = lease.valid if lease is not None else None
-        writer = MetricsWriter(self.run_dir, info.is_main, cfg.log.tensorboard, holds_run_dir)
-        self.instruments = Instruments(
-            cfg,
-            info,
-            self.model,
+        writer = MetricsWriter(
+            self.run_dir, self.info.is_main, self.cfg.log.tensorboard, holds_run_dir
+        )
+        return Instruments(
+            self.cfg,
+            self.info,
+            self.parallel.comm_timer,
             writer,
             self.position,
             self.current_lr,
             stall_timeout_s,
             worker_pids=lambda: data.worker_pids(self.train_loader),
         )
-        if cfg.log.resources and info.local_rank == 0:
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            workers = cfg.data.num_workers if self.auto.loader == "dataloader" else 0
-            crowded = saturation.oversubscribed(local_ranks, workers, saturation.available_cores())
-            if crowded:
-                log.warning("%s", crowded)
-        self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
-        # The checkpoint resumed from was written on preemption at the end of an epoch (or of
-        # the run), before that segment's evaluation: evaluate (and save) before training on.
-        self.pending_eval = False
 
     # -- the story of a run --------------------------------------------------------------------
 
@@ -309,8 +345,13 @@ class Trainer:
             # the evaluation set is empty when it has fewer samples than there are ranks.
             zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
             sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
+            probe = self.model
+            if parallel.is_sharded(self.model):  # a copy of a shard cannot run alone: count
+                with torch.device("meta"):  # on the same model built without storage
+                    probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
+                sample = sample.to("meta")
             self.instruments.count_flops(
-                self.model, sample, self.loss_fn, self.amp_dtype or torch.float32
+                probe, sample, self.loss_fn, self.amp_dtype or torch.float32
             )
 
     def load_weights(self, path: str) -> None:
@@ -391,10 +432,15 @@ class Trainer:
                 self.instruments.phase("evaluation")
                 yield self.preprocess(images, labels)
 
-        evaluated = self.model if self.ema is None else self.ema.for_evaluation()
-        with self.instruments.nvtx_range("evaluation"):
+        averaged = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        with self.instruments.nvtx_range("evaluation"), averaged:
             result = engine.evaluate(
-                evaluated, batches(), self.info.device, self.amp_dtype, self.cfg.data.eval_flip
+                self.model,
+                batches(),
+                self.info.device,
+                self.amp_dtype,
+                self.cfg.data.eval_flip,
+                self.input_shape,
             )
         self.save_if_evaluation_failed(failed[0] if failed else None)
         self.instruments.log_eval(result, self.ledger)
@@ -555,6 +601,28 @@ def configure_cuda(cfg: Config, info: DistInfo) -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
+def check_job(cfg: Config, info: DistInfo, data_fingerprint: str, run_dir: Path) -> None:
+    """Collective checks before anything is built: every rank runs the same config on the same
+    data (preflight), the network's bandwidth, and a run dir every rank shares."""
+    if cfg.dist.preflight:
+        preflight.check(info, data_fingerprint, cfg.fingerprint())
+    if cfg.dist.preflight_bandwidth:
+        preflight.bandwidth(info)
+    # After preflight, so that a run.dir differing between nodes is reported as a config
+    # mismatch rather than as a run dir that is not shared.
+    check_run_dir_shared(info, run_dir)
+
+
+def warn_if_oversubscribed(cfg: Config, info: DistInfo, settings: auto.Auto) -> None:
+    """Once per node: more trainer processes and loader workers than the node has cores."""
+    if cfg.log.resources and info.local_rank == 0:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        workers = cfg.data.num_workers if settings.loader == "dataloader" else 0
+        crowded = saturation.oversubscribed(local_ranks, workers, saturation.available_cores())
+        if crowded:
+            log.warning("%s", crowded)
+
+
 def build_model(
     cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
 ) -> nn.Module:
@@ -576,7 +644,10 @@ def build_model(
                 f"use model.norm={other} on CPU"
             )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    memory_format = torch.channels_last if channels_last else torch.preserve_format
+    # FSDP2 refuses channels_last parameters (the inputs may still be channels_last, and
+    # convolutions then run channels_last): under fsdp the weights stay contiguous.
+    sharded = cfg.dist.strategy in SHARDED_STRATEGIES and info.world_size > 1
+    memory_format = torch.channels_last if channels_last and not sharded else torch.preserve_format
     return model.to(device=info.device, memory_format=memory_format)
 
 

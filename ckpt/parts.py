@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import distributed
 from distributed import DistInfo
@@ -56,22 +57,69 @@ class Position:
 
 
 class ModelState:
-    """The bare model's weights and buffers (no `module.` or `_orig_mod.` prefixes).
+    """The bare model's weights and buffers (no `module.` or `_orig_mod.` prefixes), as whole
+    tensors under every strategy: a parameter FSDP shards is gathered to save (a collective)
+    and each rank keeps its shard on load, so a checkpoint loads into any strategy and world
+    size.
 
     Saves rank 0's BatchNorm statistics as they are, without averaging them over ranks: DDP
-    broadcasts rank 0's buffers at the start of the next forward anyway, so they are the
-    model's true state, and leaving them alone keeps a run with checkpoints bit-identical to
-    one without (evaluation, at epoch ends, averages them in every run alike).
+    (and parallel.sync_buffers under fsdp) give every rank rank 0's buffers at the start of
+    the next step anyway, so they are the model's true state, and leaving them alone keeps a
+    run with checkpoints bit-identical to one without (evaluation, at epoch ends, averages
+    them in every run alike).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return distributed.unwrap_model(self.model).state_dict()
+        return distributed.full_state_dict(distributed.unwrap_model(self.model))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        distributed.unwrap_model(self.model).load_state_dict(state)
+        distributed.load_full_state_dict(distributed.unwrap_model(self.model), state)
+
+
+class OptimizerState:
+    """The optimizer in torch's own format (state by parameter index, in the order of its
+    param groups) with whole tensors, under every strategy: ZeroRedundancyOptimizer
+    consolidates its shards on rank 0, the rank that writes (the other ranks return nothing);
+    under fsdp each state tensor of a sharded parameter is gathered to save, and each rank
+    keeps its shard on load."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizer = self.optimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.consolidate_state_dict(to=0)  # a collective
+            return optimizer.state_dict() if distributed.rank() == 0 else {}
+        state = optimizer.state_dict()
+        state["state"] = {
+            index: {name: distributed.full_tensor(value) for name, value in entry.items()}
+            for index, entry in state["state"].items()
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = self._params()
+
+        def local(index: Any, name: str, value: Any) -> Any:
+            sharded = isinstance(value, torch.Tensor) and value.ndim > 0 and name != "step"
+            return distributed.shard_like(value, params[int(index)]) if sharded else value
+
+        self.optimizer.load_state_dict(
+            {
+                **state,
+                "state": {
+                    index: {name: local(index, name, value) for name, value in entry.items()}
+                    for index, entry in state["state"].items()
+                },
+            }
+        )
 
 
 class SchedulerState:

@@ -65,6 +65,7 @@ import data  # noqa: E402
 import distributed  # noqa: E402
 import engine  # noqa: E402
 import metrics  # noqa: E402
+import parallel  # noqa: E402
 import resilience  # noqa: E402
 import train  # noqa: E402
 from ckpt import storage  # noqa: E402
@@ -336,7 +337,7 @@ def bare_steps(bare: Bare, num_steps: int, sync: bool = True) -> None:
     bare.model.train()
     for _ in range(num_steps):
         for i in range(bare.accum):
-            with distributed.gradient_sync(bare.model, enabled=sync and i == bare.accum - 1):
+            with parallel.gradient_sync(bare.model, enabled=sync and i == bare.accum - 1):
                 bare_forward_backward(bare, bare.model, *next(batches))
         bare.scaler.unscale_(bare.optimizer)
         nn.utils.clip_grad_norm_(bare.model.parameters(), bare.max_norm)

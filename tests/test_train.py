@@ -312,15 +312,19 @@ def test_weight_average_by_hand() -> None:
         decay = min(0.5, (1 + n) / (10 + n))
         expected = decay * expected + (1 - decay) * value
     model.running_mean.fill_(7.0)
-    evaluated = average.for_evaluation()
-    torch.testing.assert_close(evaluated.weight, expected)
-    assert evaluated.running_mean.tolist() == [7.0, 7.0] and not evaluated.training
+    with average.applied() as evaluated:
+        torch.testing.assert_close(evaluated.weight, expected)
+        assert evaluated.running_mean.tolist() == [7.0, 7.0]
+    assert model.weight.tolist() == [5.0, 5.0]  # the trained weights are back after the block
+    saved = average.state_dict()
+    assert saved["weights"]["running_mean"].tolist() == [7.0, 7.0]  # a loadable state_dict
     restored = engine.WeightAverage(torch.nn.BatchNorm1d(2), decay=0.5)
-    restored.load_state_dict(average.state_dict())
+    restored.load_state_dict(saved)
     assert restored.updates == 4
-    assert torch.equal(restored.averaged.weight, average.averaged.weight)
+    torch.testing.assert_close(restored.state_dict()["weights"]["weight"], expected)
     restored.restart()  # after loading model.weights: the average starts from the weights
-    assert restored.updates == 0 and torch.equal(restored.averaged.weight, restored.model.weight)
+    assert restored.updates == 0
+    assert restored.state_dict()["weights"]["weight"].tolist() == [1.0, 1.0]  # BatchNorm's init
 
 
 def test_flip_evaluation_averages_the_logits_of_each_image_and_its_mirror() -> None:
@@ -356,7 +360,8 @@ def test_turning_the_weight_average_on_at_a_resume_starts_it_from_the_resumed_we
     with caplog.at_level("WARNING"):
         manager.restore(Path("c.pt"), saved)
     assert "train.ema_decay was not set when checkpoint c.pt was written" in caplog.text
-    assert average.updates == 0 and torch.equal(average.averaged.weight, torch.full((2, 2), 3.0))
+    assert average.updates == 0
+    assert torch.equal(average.state_dict()["weights"]["weight"], torch.full((2, 2), 3.0))
     without_ledger = {key: value for key, value in saved.items() if key != "ledger"}
     with pytest.raises(storage.CheckpointError, match="c.pt lacks ledger"):
         manager.restore(Path("c.pt"), without_ledger)

@@ -1,0 +1,233 @@
+"""How the model is spread over the ranks: the one place where the data-parallel strategy
+(`dist.strategy`) is chosen. `parallelize` wraps the freshly built model before anything else
+sees its parameters (the optimizer, the weight average, the checkpoint parts) and returns a
+`Parallel`, which the Trainer asks for everything that differs between strategies.
+
+- ddp: DistributedDataParallel. Every rank holds the whole model, its gradients and its
+  optimizer state; gradients are all-reduced (identity at world size 1).
+- zero: DDP, with the optimizer state sharded over the ranks (`ZeroRedundancyOptimizer`):
+  each rank updates its share of the parameters and broadcasts them.
+- fsdp: FSDP2 `fully_shard`. Parameters, gradients and optimizer state are sharded; each
+  wrapped block all-gathers its parameters for its forward and backward, and gradients are
+  reduce-scattered, once per optimizer step.
+- hybrid: fsdp within a node, replicated across nodes (a 2-D device mesh): the all-gathers
+  stay on the node's fast links and only the gradient all-reduce crosses nodes.
+
+Under every strategy a checkpoint holds full, unsharded tensors keyed as the bare model's
+`state_dict` (and the optimizer's, by parameter index): ckpt/parts.py.
+
+Step-level helpers (`gradient_sync`, `sync_buffers`, `is_sharded`) dispatch on
+the module's type, so the training step itself never asks which strategy runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+import distributed
+from config import SHARDED_STRATEGIES, ConfigError, DistConfig
+from distributed import AllReduceTimer, DistInfo
+
+log = logging.getLogger(__name__)
+
+SHARDED = SHARDED_STRATEGIES
+
+
+# ---------------------------------------------------------------------------------------------
+# Step-level helpers: they look at the module, not at the config
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The module under a torch.compile wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` (or what torch.compile wraps) is an FSDP2 module: its forward is a
+    collective (every rank must run the same number of them)."""
+    return isinstance(_inner(model), FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient communication of the backward inside this block when `enabled` is
+    False: DDP's all-reduce (`no_sync()`, around forward and backward, since DDP decides in
+    forward) or FSDP's reduce-scatter (`set_requires_gradient_sync`: the unsharded gradients
+    accumulate until a backward with sync on reduce-scatters their sum, once)."""
+    inner = _inner(model)
+    if isinstance(inner, FSDPModule):
+        inner.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
+        return
+    if enabled or not isinstance(inner, DistributedDataParallel):
+        yield
+        return
+    with inner.no_sync():
+        yield
+
+
+def sync_buffers(model: nn.Module) -> None:
+    """Under FSDP, give every rank rank 0's buffers (BatchNorm statistics), as DDP does at the
+    first forward of each optimizer step: without it each rank's statistics drift apart with
+    its own data. Nothing to do under DDP (DDP does it) or alone."""
+    inner = _inner(model)
+    if not isinstance(inner, FSDPModule) or not distributed.active():
+        return
+    buffers = list(inner.buffers())
+    if buffers:
+        distributed.broadcast_coalesced(buffers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The strategy object
+
+
+@dataclass
+class Parallel:
+    """The model as the training step calls it, and what the rest of the run needs of it.
+
+    `model`: what forward and backward run (DDP wrapper or FSDP module; compiled when
+    train.compile is on). `bare`: the module underneath (under fsdp the sharded module itself),
+    whose parameters the optimizer updates. `comm_timer`: times DDP's gradient all-reduce of
+    each step (None without DDP)."""
+
+    strategy: str
+    model: nn.Module
+    bare: nn.Module
+    comm_timer: AllReduceTimer | None
+    mesh: DeviceMesh | None = None
+
+    def build_optimizer(
+        self, cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """The optimizer over `groups` (of `bare`'s parameters); its state sharded under zero
+        (and under fsdp, where the parameters themselves are)."""
+        if self.strategy == "zero" and distributed.active():
+            return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+        return cls(groups, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def parallelize(
+    model: nn.Module,
+    info: DistInfo,
+    cfg: DistConfig,
+    compile: bool = False,
+    nvtx: bool = False,
+) -> Parallel:
+    """Wrap `model` (on this rank's device, the same weights on every rank) as dist.strategy
+    says, then compile the result when `compile` is set."""
+    strategy = cfg.strategy
+    timer: AllReduceTimer | None = None
+    mesh = None
+    if strategy in SHARDED and info.world_size > 1:
+        mesh = device_mesh(info, strategy)
+        shard(model, mesh, cfg)
+        wrapped: nn.Module = model
+    else:
+        wrapped = distributed.wrap_model(model, info, cfg, nvtx=nvtx)
+        timer = getattr(wrapped, "allreduce_timer", None)
+    if compile:
+        wrapped = torch.compile(wrapped)
+    return Parallel(strategy=strategy, model=wrapped, bare=model, comm_timer=timer, mesh=mesh)
+
+
+def device_mesh(info: DistInfo, strategy: str) -> DeviceMesh:
+    """fsdp: one dimension over every rank. hybrid: (nodes, ranks per node), replicated over
+    the first, sharded over the second. The device type is given explicitly: without it the
+    mesh follows the accelerator, which on a GPU host with gloo moves the model to CUDA
+    (pytorch#132471)."""
+    if strategy == "fsdp":
+        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    if per_node < 1 or info.world_size % per_node:
+        raise ConfigError(
+            f"dist.strategy=hybrid needs the same number of ranks on every node: world size "
+            f"{info.world_size} is not a multiple of LOCAL_WORLD_SIZE={per_node}"
+        )
+    return init_device_mesh(
+        info.device.type,
+        (info.world_size // per_node, per_node),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, cfg: DistConfig) -> None:
+    """fully_shard each unit `wrap_units` picks, then the root (the parameters left over: the
+    stem, the classifier). Parameters stay fp32 and gradients are reduced in fp32: train.amp
+    runs under autocast as with DDP (16-bit parameters would also put the norm layers' weights
+    in 16 bits, which BatchNorm refuses beside its fp32 statistics)."""
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for unit in wrap_units(model, cfg.fsdp_units):
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy
+        )
+    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+
+
+def wrap_units(model: nn.Module, setting: str) -> list[nn.Module]:
+    """The modules FSDP shards as units, outermost first (each all-gathers its parameters for
+    its own forward and backward, so a smaller unit means less memory at a time).
+
+    auto: the instances of the module class, defined outside torch.nn and used at least twice,
+    that holds the most parameters (MiniResNet's BasicBlock; torchvision's Bottleneck,
+    EncoderBlock, CNBlock, InvertedResidual...); a model without one gets its direct children
+    that have parameters. Otherwise a comma list of class names: every instance of those
+    classes not inside another."""
+    instances: dict[str, list[nn.Module]] = {}
+    for module in model.modules():
+        if module is not model:
+            instances.setdefault(type(module).__name__, []).append(module)
+    if setting == "auto":
+        counts = {
+            name: _outermost(mods)
+            for name, mods in instances.items()
+            if len(mods) >= 2
+            and not type(mods[0]).__module__.startswith("torch.")
+            and any(p.numel() for m in mods for p in m.parameters())
+        }
+        if counts:
+            best = max(counts, key=lambda n: (sum(_numel(m) for m in counts[n]), len(counts[n])))
+            return counts[best]
+        return [child for child in model.children() if _numel(child)]
+    names = [name.strip() for name in setting.split(",") if name.strip()]
+    unknown = [name for name in names if name not in instances]
+    if unknown:
+        known = sorted(n for n, mods in instances.items() if any(_numel(m) for m in mods))
+        raise ConfigError(
+            f"dist.fsdp_units={setting}: the model has no module of class "
+            f"{', '.join(unknown)}; its classes with parameters: {', '.join(known)}"
+        )
+    return _outermost([m for name in names for m in instances[name]])
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules not inside another of `modules`, in their order."""
+    inside: set[int] = set()
+    for module in modules:
+        for sub in module.modules():
+            if sub is not module:
+                inside.add(id(sub))
+    return [m for m in modules if id(m) not in inside]
