@@ -126,6 +126,13 @@ class Parallel:
 # Building
 
 
+def shards(strategy: str) -> bool:
+    """Whether `strategy` shards the parameters in this process: fsdp and hybrid under a
+    process group (at world size 1 too, under torchrun: one GPU runs every fsdp path). A run
+    without a process group (python train.py) holds the whole model whatever the setting."""
+    return strategy in SHARDED and distributed.active()
+
+
 def parallelize(
     model: nn.Module,
     info: DistInfo,
@@ -138,9 +145,26 @@ def parallelize(
     strategy = cfg.strategy
     timer: AllReduceTimer | None = None
     mesh = None
-    if strategy in SHARDED and info.world_size > 1:
+    if shards(strategy):
         mesh = device_mesh(info, strategy)
-        shard(model, mesh, cfg)
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        units = shard(model, mesh, cfg)
+        mine = sum(
+            distributed.local_tensor(p).numel() * p.element_size() for p in model.parameters()
+        )
+        if info.is_main:
+            # fully_shard subclassed them as FSDP<name>
+            kinds = sorted({type(unit).__name__.removeprefix("FSDP") for unit in units})
+            log.info(
+                "dist.strategy=%s: mesh %s, %d units (%s) and the root; rank 0 holds %.1f of "
+                "%.1f MB of parameters",
+                strategy,
+                tuple(mesh.shape),
+                len(units),
+                ", ".join(kinds),
+                mine / 1e6,
+                whole / 1e6,
+            )
         wrapped: nn.Module = model
     else:
         wrapped = distributed.wrap_model(model, info, cfg, nvtx=nvtx)
@@ -170,17 +194,19 @@ def device_mesh(info: DistInfo, strategy: str) -> DeviceMesh:
     )
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, cfg: DistConfig) -> None:
+def shard(model: nn.Module, mesh: DeviceMesh, cfg: DistConfig) -> list[nn.Module]:
     """fully_shard each unit `wrap_units` picks, then the root (the parameters left over: the
     stem, the classifier). Parameters stay fp32 and gradients are reduced in fp32: train.amp
     runs under autocast as with DDP (16-bit parameters would also put the norm layers' weights
     in 16 bits, which BatchNorm refuses beside its fp32 statistics)."""
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for unit in wrap_units(model, cfg.fsdp_units):
+    units = wrap_units(model, cfg.fsdp_units)
+    for unit in units:
         fully_shard(
             unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy
         )
     fully_shard(model, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+    return units
 
 
 def wrap_units(model: nn.Module, setting: str) -> list[nn.Module]:

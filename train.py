@@ -64,7 +64,6 @@ from ckpt import parts, rundir, storage
 from ckpt.manager import CheckpointManager
 from config import (
     IGNORED,
-    SHARDED_STRATEGIES,
     Config,
     ConfigError,
     for_world_size,
@@ -646,7 +645,7 @@ def build_model(
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # FSDP2 refuses channels_last parameters (the inputs may still be channels_last, and
     # convolutions then run channels_last): under fsdp the weights stay contiguous.
-    sharded = cfg.dist.strategy in SHARDED_STRATEGIES and info.world_size > 1
+    sharded = parallel.shards(cfg.dist.strategy)
     memory_format = torch.channels_last if channels_last and not sharded else torch.preserve_format
     return model.to(device=info.device, memory_format=memory_format)
 

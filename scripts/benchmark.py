@@ -729,6 +729,176 @@ def measure_scaling(
 
 
 # ---------------------------------------------------------------------------------------------
+# Strategies: what each rank holds, and how fast, under ddp, zero and fsdp at 2 ranks
+
+STRATEGIES = ("ddp", "zero", "fsdp")
+
+
+def _rss_bytes() -> int:
+    """This process's resident set now (/proc/self/statm, pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _local_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(
+        distributed.local_tensor(t).numel() * t.element_size()
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """This rank's optimizer state tensors (ZeRO: its local optimizer's, its shard)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer.optim
+    for entry in local.state.values():
+        yield from (value for value in entry.values() if isinstance(value, torch.Tensor))
+
+
+def strategy_entry(
+    rank: int,
+    strategy: str,
+    model_name: str,
+    image: int,
+    batch: int,
+    steps: int,
+    rounds: int,
+    device_type: str,
+    scratch: str,
+) -> None:
+    """One of 2 spawned ranks under `strategy`: bytes of parameters, gradients and optimizer
+    state this rank holds after a step, its peak memory, and seconds per `steps` steps."""
+    import resource
+
+    from config import DistConfig, ModelConfig, OptimConfig
+    from model import build
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{scratch}/store-{strategy}-{os.getppid()}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        info = DistInfo(rank, rank, 2, device, backend)
+        rss_start = _rss_bytes()
+        torch.manual_seed(0)
+        model = build(ModelConfig(name=model_name), (3, image, image), 100).to(device)
+        par = parallel.parallelize(model, info, DistConfig(strategy=strategy))
+        kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="adamw"))
+        optimizer = par.build_optimizer(kind, groups, **settings)
+        scaler = engine.make_scaler(device, None)
+        loss_fn = nn.CrossEntropyLoss()
+        generator = torch.Generator().manual_seed(rank)
+        images = torch.randn(batch, 3, image, image, generator=generator).to(device)
+        labels = torch.randint(0, 100, (batch,), generator=generator).to(device)
+        held: dict[str, int] = {}
+
+        def step(count: bool = False) -> None:
+            engine.forward_backward(
+                par.model, [(images, labels)], optimizer, scaler, loss_fn, None, 0.0
+            )
+            if count:  # gradients exist between backward and the update
+                held["grads"] = _local_bytes(p.grad for p in par.bare.parameters())
+            engine.apply_update(optimizer, scaler)
+
+        step(count=True)
+        held["params"] = _local_bytes(par.bare.parameters())
+        held["optimizer_state"] = _local_bytes(optimizer_state_tensors(optimizer))
+        seconds = [
+            timed(partial(lambda: [step() for _ in range(steps)]), device) for _ in range(rounds)
+        ]
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            peak_kind = "max_memory_allocated"
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start
+            peak_kind = "peak RSS above the RSS before the model was built"
+        report = {**held, "peak_bytes": peak, "peak_kind": peak_kind, "seconds": seconds}
+        gathered = distributed.all_gather_object(report)
+        if rank == 0:
+            (Path(scratch) / f"strategy-{strategy}.json").write_text(json.dumps(gathered))
+    finally:
+        distributed.teardown()
+
+
+def measure_strategies(
+    model_name: str,
+    device: torch.device,
+    plan: Plan,
+    scratch: Path,
+    image: int = 64,
+    batch: int = 8,
+) -> dict[str, Any]:
+    """ddp, zero and fsdp at 2 ranks on `model_name`, each in fresh processes (a peak of
+    memory is a process's), the strategies' turns interleaved over `plan.repeats` rounds."""
+    per_strategy: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
+    steps = max(2, plan.scaling_steps // 4)
+    for repeat in range(max(2, plan.repeats // 2)):
+        order = STRATEGIES if repeat % 2 == 0 else tuple(reversed(STRATEGIES))
+        for strategy in order:
+            mp.start_processes(
+                strategy_entry,
+                args=(strategy, model_name, image, batch, steps, 2, device.type, str(scratch)),
+                nprocs=2,
+                start_method="spawn",
+            )
+            ranks = json.loads((scratch / f"strategy-{strategy}.json").read_text())
+            per_strategy[strategy].append(ranks)
+    result: dict[str, Any] = {
+        "model": model_name,
+        "input": [3, image, image],
+        "batch_per_rank": batch,
+        "steps_per_round": steps,
+    }
+    ddp_state = None
+    for strategy, runs in per_strategy.items():
+        first = runs[0]  # bytes do not vary between runs; the peak barely does
+        state = max(r["params"] + r["grads"] + r["optimizer_state"] for r in first)
+        rounds = [s for run in runs for r in run[:1] for s in r["seconds"]]
+        result[strategy] = {
+            "params_bytes_per_rank": [r["params"] for r in first],
+            "grads_bytes_per_rank": [r["grads"] for r in first],
+            "optimizer_state_bytes_per_rank": [r["optimizer_state"] for r in first],
+            "state_bytes_max_rank": state,
+            "peak_bytes_per_rank": Spread.of([max(r["peak_bytes"] for r in run) for run in runs]),
+            "peak_kind": first[0]["peak_kind"],
+            "samples_per_s": rates(rounds, 2 * batch * steps),
+        }
+        ddp_state = ddp_state or state
+        result[strategy]["state_vs_ddp"] = state / ddp_state
+    return result
+
+
+def strategies_table(result: dict[str, Any]) -> str:
+    """MB per rank (the larger of the two ranks), peak memory and samples/s of each strategy."""
+    lines = [
+        f"strategies at 2 ranks: {result['model']} on {result['input']} inputs, batch "
+        f"{result['batch_per_rank']} per rank, AdamW; MB per rank (the larger rank)",
+        f"{'strategy':<9} {'params':>8} {'grads':>8} {'optim':>8} {'state':>8} {'vs ddp':>7}  "
+        f"{'peak MB':<18} samples/s",
+    ]
+    for strategy in STRATEGIES:
+        r = result[strategy]
+        peak = r["peak_bytes_per_rank"]
+        lines.append(
+            f"{strategy:<9} {max(r['params_bytes_per_rank']) / 1e6:>8.1f} "
+            f"{max(r['grads_bytes_per_rank']) / 1e6:>8.1f} "
+            f"{max(r['optimizer_state_bytes_per_rank']) / 1e6:>8.1f} "
+            f"{r['state_bytes_max_rank'] / 1e6:>8.1f} {r['state_vs_ddp']:>7.2f}  "
+            f"{f'{peak.median / 1e6:.0f} [{peak.min / 1e6:.0f}-{peak.max / 1e6:.0f}]':<18} "
+            f"{r['samples_per_s'].show('{:.1f}')}"
+        )
+    lines.append(f"peak: {result[STRATEGIES[0]]['peak_kind']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # Time to accuracy, read from a finished run
 
 
@@ -908,6 +1078,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         metavar="RUN_DIR",
         help="also report when RUN_DIR/metrics.jsonl first reached 90%% and 92%% accuracy",
     )
+    parser.add_argument(
+        "--strategies",
+        metavar="MODEL",
+        help="also measure ddp, zero and fsdp at 2 ranks on model.name MODEL (resnet50): bytes "
+        "of parameters, gradients and optimizer state per rank, peak memory, samples/s",
+    )
     args, rest = parser.parse_known_args(argv)
     return args, parse_args(rest, prog="scripts/benchmark.py")
 
@@ -939,6 +1115,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.time_to_accuracy:
         report["time_to_accuracy"] = time_to_accuracy(args.time_to_accuracy)
+    if args.strategies:
+        scratch = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=parent))
+        try:
+            report["strategies"] = measure_strategies(args.strategies, device, plan, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     report.update(
         environment=env,
         plan=dataclasses.asdict(plan),
@@ -948,6 +1130,8 @@ def main(argv: list[str] | None = None) -> int:
         wall_s=time.perf_counter() - started,
     )
     print(table(report))
+    if "strategies" in report:
+        print(strategies_table(report["strategies"]))
     if args.out:
         args.out.write_text(json.dumps(to_json(report), indent=2) + "\n")
     return 0
