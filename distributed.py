@@ -164,7 +164,13 @@ def teardown() -> None:
 
 
 def active() -> bool:
+    """A process group with more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def in_group() -> bool:
+    """A process group, of any size (torchrun with one worker makes one of one rank)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def barrier(info: DistInfo) -> None:
@@ -366,6 +372,26 @@ def full_tensor(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def dim0_rows(value: DTensor) -> tuple[int, int] | None:
+    """Rows [start, stop) of a DTensor that this rank holds, when it is sharded on dim 0 over
+    one mesh dimension and replicated over any others (FSDP2, hybrid): Shard(0) splits as
+    torch.chunk does, ceil(rows / shards) each, the last ones short or empty. None for any
+    other layout."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = value.device_mesh, value.placements
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if len(sharded) != 1 or placements[sharded[0]].dim != 0:
+        return None
+    dim, rows = sharded[0], value.shape[0]
+    size = -(-rows // mesh.size(dim)) if rows else 0
+    index = mesh.get_local_rank(dim)
+    start, stop = min(rows, index * size), min(rows, (index + 1) * size)
+    if value.to_local().shape[0] != stop - start:
+        return None
+    return start, stop
+
+
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a view of its storage); any other tensor itself."""
     return value.to_local() if isinstance(value, DTensor) else value
@@ -373,13 +399,13 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
 
 def full_from_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The whole tensor of which `local` is this rank's part, sharded as `like` is (a
-    collective under fsdp); `local` itself when `like` is not a DTensor."""
+    collective under fsdp), in host memory; `local` itself when `like` is not a DTensor."""
     if not isinstance(like, DTensor):
         return local
     whole = DTensor.from_local(
         local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
     )
-    return whole.full_tensor()
+    return whole.full_tensor().cpu()  # one whole tensor on the device at a time
 
 
 def shard_like(full: Any, like: Any) -> Any:
@@ -388,6 +414,13 @@ def shard_like(full: Any, like: Any) -> Any:
     if not isinstance(full, torch.Tensor):
         return full
     if isinstance(like, DTensor):
+        rows = dim0_rows(like)
+        if rows is not None:  # this rank's rows cut where they are: only they reach the device
+            start, stop = rows
+            local = full[start:stop].to(device=like.device, dtype=like.dtype)
+            return DTensor.from_local(
+                local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+            )
         full = full.to(device=like.device, dtype=like.dtype)
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     if isinstance(like, torch.Tensor):
@@ -397,8 +430,14 @@ def shard_like(full: Any, like: Any) -> Any:
 
 def full_state_dict(module: nn.Module) -> dict[str, Any]:
     """`module.state_dict()` with whole tensors (a collective under FSDP, where the parameters
-    are DTensor shards)."""
-    return {key: full_tensor(value) for key, value in module.state_dict().items()}
+    are DTensor shards; each gathered tensor goes to host memory at once, so the device never
+    holds more than one whole tensor)."""
+    return {key: host_full_tensor(value) for key, value in module.state_dict().items()}
+
+
+def host_full_tensor(value: Any) -> Any:
+    """`full_tensor`, a gathered DTensor moved to host memory; anything else as it is."""
+    return value.full_tensor().cpu() if isinstance(value, DTensor) else value
 
 
 def load_full_state_dict(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:

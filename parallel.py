@@ -119,6 +119,11 @@ class Parallel:
         (and under fsdp, where the parameters themselves are)."""
         if self.strategy == "zero" and distributed.active():
             return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+        if self.mesh is not None and cls is torch.optim.SGD and kwargs.get("fused"):
+            # DTensor has no sharding rule for the fused SGD kernel (only fused Adam and
+            # AdamW: torch/distributed/tensor/_ops/_pointwise_ops.py); foreach runs on shards.
+            log.info("optim.impl: fused SGD does not run on FSDP shards: foreach instead")
+            kwargs = {**kwargs, "fused": False, "foreach": True}
         return cls(groups, **kwargs)
 
 
@@ -130,7 +135,7 @@ def shards(strategy: str) -> bool:
     """Whether `strategy` shards the parameters in this process: fsdp and hybrid under a
     process group (at world size 1 too, under torchrun: one GPU runs every fsdp path). A run
     without a process group (python train.py) holds the whole model whatever the setting."""
-    return strategy in SHARDED and distributed.active()
+    return strategy in SHARDED and distributed.in_group()
 
 
 def parallelize(
@@ -205,7 +210,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: DistConfig) -> list[nn.Module
         fully_shard(
             unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy
         )
-    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)
+    # The root: None lets FSDP2 keep its parameters gathered between forward and backward (its
+    # backward starts at once), unless resharding is off altogether.
+    root = None if cfg.reshard_after_forward else False
+    fully_shard(model, mesh=mesh, reshard_after_forward=root, mp_policy=policy)
     return units
 
 

@@ -99,7 +99,7 @@ class OptimizerState:
             return optimizer.state_dict() if distributed.rank() == 0 else {}
         state = optimizer.state_dict()
         state["state"] = {
-            index: {name: distributed.full_tensor(value) for name, value in entry.items()}
+            index: {name: distributed.host_full_tensor(value) for name, value in entry.items()}
             for index, entry in state["state"].items()
         }
         return state
@@ -120,6 +120,19 @@ class OptimizerState:
                 },
             }
         )
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            # ZeroRedundancyOptimizer.load_state_dict puts every 0-dim state tensor (Adam's
+            # "step") on the CPU, which the fused kernels refuse beside CUDA parameters
+            # (pytorch#124133): back beside its parameter.
+            local = self.optimizer.optim
+            for group in local.param_groups:
+                if not (group.get("fused") or group.get("capturable")):
+                    continue  # other kernels keep "step" on the CPU themselves
+                for param in group["params"]:
+                    entry = local.state.get(param, {})
+                    for name, value in entry.items():
+                        if torch.is_tensor(value) and value.ndim == 0:
+                            entry[name] = value.to(param.device)
 
 
 class SchedulerState:

@@ -1095,6 +1095,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if cfg.dist.strategy != "ddp":
+        # The figures compare train.py's loop with a hand-written DDP loop on the same model;
+        # the strategies are measured side by side with --strategies MODEL instead.
+        print(
+            f"error: dist.strategy={cfg.dist.strategy}: the benchmark measures the ddp pipeline "
+            "against a bare DDP loop; use --strategies MODEL to compare ddp, zero and fsdp",
+            file=sys.stderr,
+        )
+        return 2
     plan = QUICK if args.quick else FULL
     if args.repeats:
         plan = dataclasses.replace(plan, repeats=args.repeats)
