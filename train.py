@@ -26,10 +26,14 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
             print(f"error: {err}", file=sys.stderr)
             # Under torchrun a worker's 2 becomes torchrun's 1, which schedulers retry: tell
             # the launcher as report_to_launcher (below) does.
+            # Every rank, not local rank 0 alone: the first rank to fail ends the others
+            # (torchrun stops them), maybe before local rank 0 has parsed its command line.
             _marker = os.environ.get(exitcodes.BAD_INPUT_MARKER)
-            if _marker and os.environ.get("LOCAL_RANK", "0") == "0":
-                with contextlib.suppress(OSError), open(_marker, "w") as _f:
-                    _f.write(f"bad input: {err}\n")
+            if _marker:
+                with contextlib.suppress(OSError):
+                    with open(f"{_marker}.{os.getpid()}", "w") as _f:
+                        _f.write(f"bad input: {err}\n")
+                    os.replace(f"{_marker}.{os.getpid()}", _marker)
             sys.exit(exitcodes.EXIT_BAD_INPUT)
         # Stop signals that arrive before the training loop's handler is installed (torch's
         # import alone takes seconds, and a scheduler may signal at any time): that handler
@@ -751,11 +755,17 @@ def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None
 
 
 def report_to_launcher(variable: str, text: str) -> None:
-    """Tell scripts/supervise.py how this launch ends (one file per node, see there)."""
+    """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
+    is reported by every rank that meets it (atomically: the last writer's text): a rank that
+    exits first makes torchrun stop the others, local rank 0 perhaps before it wrote."""
     marker = os.environ.get(variable)
-    if marker and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        with contextlib.suppress(OSError):
-            Path(marker).write_text(text + "\n")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not marker or (local_rank != 0 and variable != exitcodes.BAD_INPUT_MARKER):
+        return
+    with contextlib.suppress(OSError):
+        staged = Path(f"{marker}.{os.getpid()}")
+        staged.write_text(text + "\n")
+        os.replace(staged, marker)
 
 
 def launch_was_preempted() -> str:
