@@ -397,15 +397,22 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
+def like_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` as this rank's part of a tensor sharded as `like` is (a DTensor, without
+    communication); `local` itself when `like` is not a DTensor."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )
+
+
 def full_from_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The whole tensor of which `local` is this rank's part, sharded as `like` is (a
     collective under fsdp), in host memory; `local` itself when `like` is not a DTensor."""
-    if not isinstance(like, DTensor):
-        return local
-    whole = DTensor.from_local(
-        local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
-    )
-    return whole.full_tensor().cpu()  # one whole tensor on the device at a time
+    whole = like_local(local, like)
+    # one whole tensor on the device at a time
+    return whole.full_tensor().cpu() if isinstance(whole, DTensor) else whole
 
 
 def shard_like(full: Any, like: Any) -> Any:

@@ -237,6 +237,13 @@ class WeightAverage:
             weights[name] = distributed.full_from_local(average, like)
         return {"updates": self.updates, "weights": weights}
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """As `state_dict`, the averages of sharded parameters left as this rank's shards."""
+        weights = distributed.unwrap_model(self.model).state_dict()
+        for name, average, like in zip(self._names, self._averages, self._like, strict=True):
+            weights[name] = distributed.like_local(average, like)
+        return {"updates": self.updates, "weights": weights}
+
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         weights = state["weights"]

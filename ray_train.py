@@ -311,12 +311,14 @@ class TrainExit(RuntimeError):
 
 
 def complete_checkpoints(directory: Path) -> dict[int, Path]:
-    """step -> file of each complete checkpoint (its manifest is written last: ckpt/storage.py)."""
+    """step -> file (or sharded checkpoint's folder) of each complete checkpoint: its manifest
+    is written last (ckpt/storage.py)."""
     found = {}
     for manifest in directory.glob("step_*.manifest.json"):
         step = manifest.name.split("_", 1)[1].split(".", 1)[0]
-        if step.isdigit() and (directory / f"step_{step}.pt").exists():
-            found[int(step)] = directory / f"step_{step}.pt"
+        for path in (directory / f"step_{step}.pt", directory / f"step_{step}"):
+            if step.isdigit() and path.exists():
+                found[int(step)] = path
     return found
 
 
@@ -337,6 +339,17 @@ def metrics_at(run_dir: Path, step: int) -> dict[str, Any]:
     return flat
 
 
+def _link_or_copy(source: Path, target: Path) -> None:
+    """Hard-link `source` to `target` (a copy across filesystems); FileNotFoundError if gone."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except FileNotFoundError:
+        raise
+    except OSError:  # another filesystem
+        shutil.copy2(source, target)
+
+
 def report_checkpoint(run_dir: Path, step: int, path: Path | None) -> None:
     """Collective (every worker, the same number of times: ray.train.report's contract,
     ray/train/v2/api/train_fn_utils.py): rank 0 hands Ray the checkpoint of `step` (the file
@@ -348,14 +361,16 @@ def report_checkpoint(run_dir: Path, step: int, path: Path | None) -> None:
         ray.train.report(metrics, checkpoint=None)
         return
     with tempfile.TemporaryDirectory(prefix="ray-ckpt-") as staging:
-        for source in (path, path.with_name(f"step_{step}.manifest.json")):
-            try:
-                os.link(source, Path(staging) / source.name)
-            except FileNotFoundError:  # pruned meanwhile by train.py: report the metrics only
-                ray.train.report(metrics, checkpoint=None)
-                return
-            except OSError:  # another filesystem
-                shutil.copy2(source, staging)
+        manifest = path.with_name(f"step_{step}.manifest.json")
+        try:
+            # A sharded checkpoint is a folder: its files go into a folder of the same name.
+            inside = [Path(path.name) / f.name for f in path.iterdir()] if path.is_dir() else []
+            for name in [*inside] or [Path(path.name)]:
+                _link_or_copy(path.parent / name, Path(staging) / name)
+            _link_or_copy(manifest, Path(staging) / manifest.name)
+        except FileNotFoundError:  # pruned meanwhile by train.py: report the metrics only
+            ray.train.report(metrics, checkpoint=None)
+            return
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staging))
     print(f"ray_train.py: reported the checkpoint of step {step} to Ray", flush=True)
 
@@ -399,7 +414,7 @@ def follow(child: subprocess.Popen, run_dir: Path, rank: int) -> Any:
         dist.broadcast_object_list(new, src=0)
         for step in new[0]:
             pass_on_a_drain()
-            path = checkpoints / f"step_{step}.pt" if rank == 0 else None
+            path = found[step] if rank == 0 else None
             report_checkpoint(run_dir, step, path)
         pass_on_a_drain()
         if running.item() == 0:

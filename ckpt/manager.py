@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkable Protocol
 
 import distributed
+import parallel
 from ckpt import rundir, storage
 from config import Config, ConfigError, global_batch_size
 from distributed import DistInfo
@@ -86,6 +87,10 @@ class CheckpointManager:
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
         self.directory = storage.checkpoint_dir(cfg.run.dir)
         self.saver = storage.AsyncSaver() if cfg.ckpt.async_save else None
+        # Sharded: every rank writes its own piece of each tensor (storage.save_sharded).
+        self.sharded = cfg.ckpt.format == "sharded" or (
+            cfg.ckpt.format == "auto" and parallel.shards(cfg.dist.strategy)
+        )
         self.parts: dict[str, Stateful] = {}
         # Parts a setting turns on: name -> (setting, how the part starts when a checkpoint
         # written without it is resumed).
@@ -130,6 +135,9 @@ class CheckpointManager:
         `pending_eval`: written where an evaluation is owed (a preemption at the end of an
         epoch): the resumed run evaluates first, exactly as this one would have.
         """
+        if self.sharded:
+            self._save_sharded(step, accuracy, pending_eval)
+            return
         states = {name: part.state_dict() for name, part in self.parts.items()}
 
         def write() -> None:
@@ -144,6 +152,26 @@ class CheckpointManager:
                 self.saver.wait()
 
         distributed.run_on_main(self.info, f"saving the step {step} checkpoint", write)
+
+    def _save_sharded(self, step: int, accuracy: float | None, pending_eval: bool) -> None:
+        """Collective: every rank writes its pieces of the parts (a part's
+        `sharded_state_dict`, where it has one, keeps its DTensor shards as they are)."""
+        states = {
+            name: getattr(part, "sharded_state_dict", part.state_dict)()
+            for name, part in self.parts.items()
+        }
+        state = {**states, **self._meta(step, accuracy, pending_eval)}
+        storage.save_sharded(
+            state,
+            self.directory,
+            step,
+            self.cfg.ckpt.keep,
+            accuracy,
+            self.info.rank,
+            gather=distributed.all_gather_object,
+            agree=lambda error, what: distributed.raise_if_any_failed(self.info, error, what),
+            check=self.lease.check if self.lease is not None else None,
+        )
 
     def _meta(self, step: int, accuracy: float | None, pending_eval: bool) -> dict[str, Any]:
         config_dict, config_hash = _config_record(self.cfg)
@@ -239,7 +267,8 @@ class CheckpointManager:
         error: Exception | None = None
         if state is None:  # every rank but 0
             try:
-                state = storage.load(path, info.device)
+                # rank 0 checked every file's checksum: a sharded checkpoint's sizes suffice
+                state = storage.load(path, info.device, verified=True)
             except Exception as err:  # e.g. this node cannot see rank 0's file: never skip the vote
                 error = err
         distributed.raise_if_any_failed(info, error, f"loading {path}")

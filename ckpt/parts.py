@@ -75,6 +75,10 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         return distributed.full_state_dict(distributed.unwrap_model(self.model))
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """As `state_dict`, a sharded parameter left as this rank's DTensor shard."""
+        return distributed.unwrap_model(self.model).state_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         distributed.load_full_state_dict(distributed.unwrap_model(self.model), state)
 
@@ -103,6 +107,12 @@ class OptimizerState:
             for index, entry in state["state"].items()
         }
         return state
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """As `state_dict`, the state of a sharded parameter left as this rank's DTensor."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return self.state_dict()
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         params = self._params()

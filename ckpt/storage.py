@@ -1,14 +1,21 @@
-"""Checkpoints: atomic, verified writes by rank 0, retention, and safe loading on every rank.
+"""Checkpoints: atomic, verified writes, retention, and safe loading on every rank.
 
 Layout of `<run.dir>/checkpoints/`:
-    step_<N>.pt             the state, written by `torch.save`
-    step_<N>.manifest.json  {"file", "bytes", "crc32", "step"}: written last, after the .pt is
-                            durable, so a checkpoint without one is incomplete
+    step_<N>.pt             a checkpoint in one file, written by rank 0 with `torch.save`
+    step_<N>/               a sharded checkpoint: rank_<r>.pt (rank r's pieces of the tensors)
+                            and meta.pt (the rest of the state, and where each tensor's rows
+                            are), every rank writing its own file in parallel
+    step_<N>.manifest.json  written last, after the files are durable, so a checkpoint without
+                            one is incomplete: {"file", "bytes", "crc32", "step"} for one file;
+                            {"format": "sharded", "step", "files": {name: {"bytes", "crc32"}}}
+                            for a sharded one
     best.json               {"step", "accuracy"} of the best evaluated checkpoint
 
 Every file is written to a temporary name in the same directory, fsynced, renamed over its
 final name and the directory fsynced: a crash at any point leaves the previous checkpoints
-as they were and at worst an incomplete new one, which loading recognises and skips.
+as they were and at worst an incomplete new one, which loading recognises and skips. Loading
+unpickles nothing but tensors and plain data (`torch.load(weights_only=True)`), for every file
+of either kind.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import threading
 import zlib
 from collections.abc import Callable
@@ -27,9 +35,12 @@ from typing import Any, BinaryIO
 
 import torch
 
+import distributed
+
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
+SHARDED = "sharded"  # the manifest's "format" of a sharded checkpoint
 BEST_FILE = "best.json"
 _READ_CHUNK = 1 << 22
 
@@ -145,7 +156,8 @@ def file_crc32(path: Path) -> str:
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every `step_<N>.pt` in `directory`, oldest first."""
+    """(step, path) of every checkpoint in `directory` (`step_<N>.pt` files and `step_<N>`
+    folders), oldest first."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
@@ -162,7 +174,7 @@ def read_best(directory: Path) -> dict[str, Any] | None:
 def _remove_stale_temporaries(directory: Path) -> None:
     """Delete temporary files left by a save that was killed (only rank 0 of one job writes
     here, and never two saves at once, so no temporary file belongs to a live save)."""
-    for path in directory.glob(".*.tmp"):
+    for path in [*directory.glob(".*.tmp"), *directory.glob("step_*/.*.tmp")]:
         path.unlink(missing_ok=True)
     # A re-save killed between its rename and its manifest: the second manifest becomes the
     # manifest if it vouches for the bytes in place, else it vouches for nothing.
@@ -228,6 +240,13 @@ def save(
     os.replace(tmp, path)
     atomic_write_bytes(manifest_path(path), lambda f: f.write(payload))
     next_manifest_path(path).unlink(missing_ok=True)
+    _finish(directory, step, keep, accuracy)
+    log.info("saved checkpoint %s (%d bytes, crc32 %s)", path, hashed[0].bytes, expected)
+    return path
+
+
+def _finish(directory: Path, step: int, keep: int, accuracy: float | None) -> None:
+    """After a checkpoint's manifest: best.json, then pruning the older ones."""
     best = read_best(directory)
     if best is not None and best["step"] > step:  # left by an abandoned later run: stale
         best = None
@@ -236,8 +255,6 @@ def save(
         best_payload = json.dumps(best).encode()
         atomic_write_bytes(directory / BEST_FILE, lambda f: f.write(best_payload))
     _prune(directory, keep, step, best["step"] if best else None)
-    log.info("saved checkpoint %s (%d bytes, crc32 %s)", path, hashed[0].bytes, expected)
-    return path
 
 
 def require_finite(model_state: dict[str, Any], step: int) -> None:
@@ -265,12 +282,20 @@ def _prune(directory: Path, keep: int, saved_step: int, best_step: int | None) -
     older = [(step, path) for step, path in list_checkpoints(directory) if step <= saved_step]
     for step, path in older[:-keep]:
         if step not in (best_step, saved_step):
-            path.unlink(missing_ok=True)
+            remove(path)
             manifest_path(path).unlink(missing_ok=True)
     for orphan in directory.glob("step_*.manifest*.json"):
         stem = orphan.name.removesuffix(".json").removesuffix(".next").removesuffix(".manifest")
-        if not orphan.with_name(stem + ".pt").exists():
+        if not orphan.with_name(stem + ".pt").exists() and not orphan.with_name(stem).is_dir():
             orphan.unlink(missing_ok=True)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint's file or folder (not its manifest)."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) -> None:
@@ -312,6 +337,9 @@ def verify(path: Path) -> None:
     While a re-save of the same step is renamed into place, a second manifest
     (`step_<N>.manifest.next.json`) vouches for the new bytes: either version is accepted.
     """
+    if path.is_dir():
+        verify_sharded(path)
+        return
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     size = path.stat().st_size
@@ -339,13 +367,17 @@ def verify(path: Path) -> None:
         )
 
 
-def load(path: str | Path, device: torch.device) -> dict[str, Any]:
+def load(path: str | Path, device: torch.device, verified: bool = False) -> dict[str, Any]:
     """Verify `path` against its manifest, then load it onto `device` with `weights_only=True`.
 
     `weights_only` unpickles tensors, containers and plain values only: a file carrying any
     other Python object is refused and none of its code runs. There is no unsafe fallback.
+    A sharded checkpoint (a folder) is put back into whole tensors; `verified`: another rank
+    checked its files' checksums already (their sizes are still checked).
     """
     path = Path(path)
+    if path.is_dir():
+        return load_sharded(path, device, verified=verified)
     verify(path)
     try:
         state = torch.load(path, map_location=device, weights_only=True)
@@ -410,6 +442,285 @@ def _newest_usable(directory: Path, device: torch.device) -> tuple[Path, dict[st
             "--ckpt.resume=PATH --run.dir=NEW_DIR"
         )
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded checkpoints: every rank writes its own pieces of the tensors, in parallel
+#
+# Who writes what (no byte twice):
+# - a DTensor sharded on dim 0 (FSDP2 parameters and their optimizer state): each rank its
+#   own rows (torch.chunk's split); under hybrid only the ranks of the first replica;
+# - any other tensor: the lowest rank that holds it, whole. Tensors every rank holds are not
+#   all the same on every rank (each rank's BatchNorm statistics moved with its own batch
+#   since the step began), and a checkpoint holds rank 0's, as a single-file one does.
+
+
+def _flatten(state: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """(skeleton, leaves): `state` with each tensor replaced by {"__tensor__": its index in
+    leaves}, and the leaves as (name, tensor), the name its path of keys."""
+    leaves: list[tuple[str, Any]] = []
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            leaves.append((where, value))
+            return {"__tensor__": len(leaves) - 1}
+        if isinstance(value, dict):
+            return {key: walk(item, f"{where}/{key}") for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(walk(item, f"{where}/{i}") for i, item in enumerate(value))
+        return value
+
+    return walk(state, ""), leaves
+
+
+def _unflatten(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict):
+        if skeleton.keys() == {"__tensor__"}:
+            return tensors[int(skeleton["__tensor__"])]
+        return {key: _unflatten(item, tensors) for key, item in skeleton.items()}
+    if isinstance(skeleton, list | tuple):
+        return type(skeleton)(_unflatten(item, tensors) for item in skeleton)
+    return skeleton
+
+
+def _own_rows(value: Any) -> tuple[int, int, bool] | None:
+    """(start, stop, writes) of this rank's rows of a DTensor sharded on dim 0
+    (distributed.dim0_rows); `writes`: this rank is in the first replica (hybrid)."""
+    rows = distributed.dim0_rows(value)
+    if rows is None:
+        return None
+    mesh, placements = value.device_mesh, value.placements
+    replicated = [i for i, p in enumerate(placements) if p.is_replicate()]
+    return *rows, all(mesh.get_local_rank(i) == 0 for i in replicated)
+
+
+def _pieces(
+    leaves: list[tuple[str, Any]], rank: int, gather: Callable[[Any], list[Any]]
+) -> tuple[dict[str, tuple[torch.Tensor, int, int]], list[dict[str, Any]]]:
+    """What this rank writes ({name: (rows, start, stop)}) and every rank's description of
+    its leaves ({name: (shape, dtype, sharded)}), by the rules above. `gather` is the
+    all-gather of Python objects (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    described: dict[str, Any] = {}
+    local: dict[str, tuple[torch.Tensor, int, int, bool]] = {}
+    for name, value in leaves:
+        dtype = str(value.dtype).removeprefix("torch.")
+        if isinstance(value, DTensor):
+            rows = _own_rows(value)
+            if rows is None:
+                raise CheckpointError(
+                    f"{name}: a DTensor placed as {value.placements} cannot be saved sharded "
+                    "(only dim-0 sharding is)"
+                )
+            described[name] = (list(value.shape), dtype, True)
+            start, stop, writes = rows
+            if writes and stop > start:
+                local[name] = (value.to_local(), start, stop, True)
+        else:
+            described[name] = (list(value.shape), dtype, False)
+            local[name] = (value, 0, value.shape[0] if value.ndim else 0, False)
+    every = gather(described)
+    mine: dict[str, tuple[torch.Tensor, int, int]] = {}
+    for name, (tensor, start, stop, is_shard) in local.items():
+        if is_shard or min(r for r, seen in enumerate(every) if name in seen) == rank:
+            mine[name] = (tensor, start, stop)
+    return mine, every
+
+
+def _write_pieces(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """torch.save `payload` to `path` through a fsynced temporary file whose size is checked;
+    {"bytes", "crc32"} of what was written."""
+    hashed: list[_HashingWriter] = []
+
+    def write(f: BinaryIO) -> None:
+        writer = _HashingWriter(f)
+        torch.save(payload, writer)
+        hashed.append(writer)
+        f.flush()
+
+    tmp = write_temporary(path, write)
+    if tmp.stat().st_size != hashed[0].bytes:
+        size = tmp.stat().st_size
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"checkpoint file {path} is {size} bytes on disk, {hashed[0].bytes} were written: "
+            "the storage lost part of the write"
+        )
+    os.replace(tmp, path)
+    return {"bytes": hashed[0].bytes, "crc32": f"{hashed[0].crc32:08x}"}
+
+
+def save_sharded(
+    state: dict[str, Any],
+    directory: Path,
+    step: int,
+    keep: int,
+    accuracy: float | None,
+    rank: int,
+    gather: Callable[[Any], list[Any]],
+    agree: Callable[[BaseException | None, str], None],
+    check: Callable[[], None] | None = None,
+) -> Path:
+    """Collective: write `state` as the sharded checkpoint `step_<step>/`, each rank its own
+    file in parallel; rank 0 writes meta.pt, then the manifest with every file's size and
+    CRC-32, once every file is durable; then best.json and pruning, as `save` does.
+
+    `gather`: all-gather of Python objects; `agree(error, what)`: every rank raises if any
+    rank failed (distributed.raise_if_any_failed); `check()`: rank 0, before anything is
+    written (the lease). Each save's files carry a token of their own: a re-save of a step
+    (a resumed run preempted where it started) writes beside the files its manifest vouches
+    for, and the new manifest replaces the old one in one rename; only then do the old files
+    go."""
+    skeleton, leaves = _flatten(state)
+    folder = directory / f"step_{step}"
+    token = gather(os.urandom(4).hex() if rank == 0 else None)[0]
+    error: BaseException | None = None
+    try:
+        mine, every = _pieces(leaves, rank, gather)
+        model = {name: piece for name, (piece, _, _) in mine.items() if name.startswith("/model/")}
+        require_finite(model, step)
+        if rank == 0:
+            if check is not None:
+                check()
+            directory.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(directory)
+            folder.mkdir(exist_ok=True)
+    except Exception as err:
+        error = err
+    agree(error, f"preparing the step {step} checkpoint")
+    written: dict[str, Any] = {}
+    try:
+        pieces = {name: piece.detach().cpu().contiguous() for name, (piece, _, _) in mine.items()}
+        rows = {name: [start, stop] for name, (_, start, stop) in mine.items()}
+        mine_file = folder / f"rank_{rank}.{token}.pt"
+        written = _write_pieces(mine_file, {"tensors": pieces, "rows": rows})
+        written["file"] = mine_file.name
+        written["rows"] = rows
+    except Exception as err:
+        error = err
+    agree(error, f"writing the step {step} checkpoint's shards")
+    files = gather(written)
+    if rank == 0:
+        try:
+            table = {}
+            for index, (name, _) in enumerate(leaves):
+                shape, dtype, _ = next(seen[name] for seen in every if name in seen)
+                pieces_of = []
+                for w in files:
+                    if name in w["rows"]:
+                        pieces_of.append([w["file"], name, *w["rows"][name]])
+                table[index] = {"shape": shape, "dtype": dtype, "pieces": pieces_of}
+            listed = {w["file"]: {"bytes": w["bytes"], "crc32": w["crc32"]} for w in files}
+            meta_file = f"meta.{token}.pt"
+            listed[meta_file] = _write_pieces(
+                folder / meta_file, {"skeleton": skeleton, "tensors": table}
+            )
+            _fsync_dir(folder)
+            manifest = {"format": SHARDED, "step": step, "meta": meta_file, "files": listed}
+            payload = (json.dumps(manifest) + "\n").encode()
+            atomic_write_bytes(manifest_path(folder), lambda f: f.write(payload))
+            for stale in folder.iterdir():  # a re-save's predecessor, vouched for no longer
+                if stale.name not in listed:
+                    stale.unlink(missing_ok=True)
+            _finish(directory, step, keep, accuracy)
+            total = sum(entry["bytes"] for entry in listed.values())
+            log.info("saved sharded checkpoint %s (%d files, %d bytes)", folder, len(listed), total)
+        except Exception as err:
+            error = err
+    agree(error, f"finishing the step {step} checkpoint")
+    return folder
+
+
+def verify_sharded(folder: Path, checksums: bool = True) -> dict[str, Any]:
+    """The manifest of the sharded checkpoint `folder`, after checking that every file it
+    lists is there, of the size written and (with `checksums`) of the same CRC-32. The first
+    bad file is named."""
+    manifest_file = manifest_path(folder)
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != SHARDED or not isinstance(files, dict):
+            raise ValueError("not a sharded checkpoint's manifest")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {folder} has no manifest {manifest_file.name}: its save did not finish"
+        ) from None
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise CheckpointError(f"checkpoint manifest {manifest_file} is unreadable: {err}") from None
+    for name, expected in files.items():
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {folder} lacks its file {name}")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is {size} bytes but the manifest says "
+                f"{expected['bytes']}: truncated or overwritten"
+            )
+        if checksums and (crc := file_crc32(file)) != expected["crc32"]:
+            raise CheckpointError(
+                f"checkpoint file {file} fails its checksum (crc32 {crc}, manifest says "
+                f"{expected['crc32']}): the file is corrupted"
+            )
+    return manifest
+
+
+def _safe_load(file: Path, mmap: bool) -> Any:
+    """torch.load with weights_only (and mmap: only the pages read are loaded)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint file {file} is refused: it holds Python objects that safe loading "
+            f"(torch.load weights_only=True) does not allow, so it was not written by this "
+            f"pipeline or was tampered with; nothing in it was run ({first_line})"
+        ) from err
+    except Exception as err:
+        raise CheckpointError(f"checkpoint file {file} cannot be loaded: {err}") from err
+
+
+def load_sharded(folder: Path, device: torch.device, verified: bool = False) -> dict[str, Any]:
+    """The state of the sharded checkpoint `folder` with whole tensors, whatever the world size
+    that wrote it. They stay in host memory (`device` is not used): each part moves its own
+    share to its device, so under fsdp a device never holds a whole model."""
+    manifest = verify_sharded(folder, checksums=not verified)
+    meta = _safe_load(folder / manifest["meta"], mmap=False)
+    try:
+        skeleton, table = meta["skeleton"], meta["tensors"]
+        opened: dict[str, dict[str, torch.Tensor]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for index, entry in table.items():
+            shape, dtype = tuple(entry["shape"]), getattr(torch, entry["dtype"])
+            whole = torch.empty(shape, dtype=dtype)
+            filled = 0
+            for file, name, start, stop in entry["pieces"]:
+                if file not in opened:
+                    opened[file] = _safe_load(folder / file, mmap=True)["tensors"]
+                piece = opened[file][name]
+                if shape:
+                    whole[start:stop] = piece
+                else:
+                    whole = piece.clone()
+                filled += stop - start
+            if shape and filled != shape[0]:
+                raise CheckpointError(
+                    f"checkpoint {folder}: {entry['pieces'][0][1] if entry['pieces'] else index}"
+                    f" has {filled} of its {shape[0]} rows"
+                )
+            tensors[int(index)] = whole  # in host memory: each part moves its own share
+        state = _unflatten(skeleton, tensors)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {folder} is malformed: {err}") from err
+    if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
+        raise CheckpointError(
+            f"checkpoint {folder} has no 'model' and 'step' entries: not a checkpoint of this "
+            "pipeline"
+        )
+    return state
 
 
 def to_host(state: Any) -> Any:

@@ -158,11 +158,17 @@ def install(plan: Plan) -> None:
     import train
     from ckpt import storage
 
-    def is_checkpoint(path: Path) -> bool:
-        return path.name.startswith("step_") and path.name.endswith(".pt")
+    def is_checkpoint(path: Path) -> bool:  # a checkpoint file, or a file of a sharded one
+        named = path.name.startswith("step_") or path.parent.name.startswith("step_")
+        return path.name.endswith(".pt") and named
 
-    # -- save stages (rank 0 writes) --
+    # -- save stages (rank 0 writes a file; every rank its file of a sharded checkpoint) --
     _wrap(storage, "save", lambda save, *a, **k: (plan.fire("save", "begin"), save(*a, **k))[1])
+    _wrap(
+        storage,
+        "save_sharded",
+        lambda save, *a, **k: (plan.fire("save", "begin"), save(*a, **k))[1],
+    )
 
     def write_temporary(original: Callable, path: Path, write: Callable) -> Path:
         if not is_checkpoint(path):

@@ -57,9 +57,14 @@ def train(run_dir: Path, nproc: int | None, strategy: str, *extra: str, base=ARG
 
 
 def copy_checkpoint(source: Path, target: Path, step: int) -> None:
+    """Checkpoint `step` of one run dir (a file or a sharded folder) into another."""
     (target / "checkpoints").mkdir(parents=True)
-    for name in (f"step_{step}.pt", f"step_{step}.manifest.json"):
-        shutil.copy(source / "checkpoints" / name, target / "checkpoints" / name)
+    for name in (f"step_{step}.pt", f"step_{step}", f"step_{step}.manifest.json"):
+        found = source / "checkpoints" / name
+        if found.is_dir():
+            shutil.copytree(found, target / "checkpoints" / name)
+        elif found.exists():
+            shutil.copy(found, target / "checkpoints" / name)
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -211,6 +216,8 @@ def test_accumulation_reduce_scatters_once_per_step_and_equals_the_big_batch(tmp
         (["--dist.strategy=fsdp", "--dist.bucket_cap_mb=50"], "dist.bucket_cap_mb"),
         (["--dist.strategy=zero", "--dist.fsdp_units=BasicBlock"], "dist.fsdp_units"),
         (["--dist.reshard_after_forward=false"], "dist.reshard_after_forward"),
+        (["--dist.strategy=fsdp", "--ckpt.async_save=true"], "ckpt.async_save=true"),
+        (["--ckpt.format=sharded", "--ckpt.async_save=true"], "ckpt.format=sharded"),
     ],
 )
 def test_settings_a_strategy_cannot_honour_are_refused_by_name(args, named) -> None:
@@ -261,3 +268,34 @@ def test_fused_sgd_on_fsdp_shards_steps_with_foreach(tmp_path) -> None:
     AdamW only), so the optimizer runs foreach there instead of failing at the first step."""
     losses = run_ranks(_fused_sgd_step, 2, tmp_path)
     assert all(math.isfinite(loss) for loss in losses)
+
+
+@pytest.mark.e2e
+def test_an_fsdp_job_killed_before_its_manifest_resumes_from_the_previous_checkpoint(
+    tmp_path,
+) -> None:
+    """Preempted at step 8 (sharded checkpoints of steps 5 and 8), then SIGKILLed while saving
+    step 10, after every rank's file was written and before rank 0's manifest: the next
+    attempt names step 10 incomplete, resumes from step 8, saves step 10 again over the dead
+    save's files, and ends bit for bit where a never-interrupted fsdp run ends."""
+    batchnorm = [a for a in ARGS if a != "--model.norm=group"]
+    every = "--ckpt.every_steps=5"
+    full, run_dir = tmp_path / "full", tmp_path / "run"
+    train(full, 2, "fsdp", every, base=batchnorm)
+    args = (f"--run.dir={run_dir}", "--dist.strategy=fsdp", *batchnorm, every)
+    first = launch(2, *args, faults="sigterm@step=7")  # bare torchrun: its exit is 1
+    assert "checkpoint written, exiting with code 75" in first.output, first.output[-3000:]
+    assert (run_dir / "checkpoints" / "step_8.manifest.json").exists()
+    second = launch(2, *args, faults="sigkill@save=renamed")
+    assert second.returncode != 0
+    dead = run_dir / "checkpoints" / "step_10"
+    assert dead.is_dir() and not (run_dir / "checkpoints" / "step_10.manifest.json").exists()
+    third = launch(2, *args)
+    assert third.returncode == 0, third.output[-3000:]
+    assert f"skipping unusable checkpoint: checkpoint {dead} has no manifest" in third.output
+    a, b = final_state(full), final_state(run_dir)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for index, entry in a["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)

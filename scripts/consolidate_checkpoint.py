@@ -1,0 +1,67 @@
+"""Put a checkpoint's pieces back together into one file.
+
+    python scripts/consolidate_checkpoint.py CHECKPOINT --out DIR
+    python scripts/consolidate_checkpoint.py CHECKPOINT --weights FILE [--ema]
+
+CHECKPOINT is a sharded checkpoint's folder (run.dir/checkpoints/step_<N>) or a checkpoint
+file. It is checked against its manifest (every file's size and CRC-32) and loaded safely
+(torch.load weights_only=True: nothing but tensors and plain data is unpickled).
+
+--out DIR writes the whole state as DIR/step_<N>.pt with its manifest: a checkpoint in one
+file, which `--ckpt.resume=DIR/step_<N>.pt` continues at any world size and strategy.
+--weights FILE writes the model's state_dict alone (with --ema, the weight average's), which
+`--model.weights=FILE` and `torch.load(FILE, weights_only=True)` read.
+
+Exit 0 on success; 2, naming the file and the reason, for a checkpoint that does not verify
+or load, or an output that exists already.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
+
+import torch  # noqa: E402
+
+from ckpt import storage  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a step_<N> folder or step_<N>.pt file")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", type=Path, help="directory for step_<N>.pt and its manifest")
+    target.add_argument("--weights", type=Path, help="file for the model's state_dict alone")
+    parser.add_argument("--ema", action="store_true", help="with --weights: the weight average")
+    args = parser.parse_args(argv)
+    try:
+        state = storage.load(args.checkpoint, torch.device("cpu"))
+        step = int(state["step"])
+        if args.weights is not None:
+            if args.weights.exists():
+                raise storage.CheckpointError(f"--weights={args.weights} exists already")
+            if args.ema and "ema" not in state:
+                raise storage.CheckpointError(
+                    f"checkpoint {args.checkpoint} has no weight average (train.ema_decay was "
+                    "off): leave --ema out"
+                )
+            weights = state["ema"]["weights"] if args.ema else state["model"]
+            storage.atomic_write_bytes(args.weights, lambda f: torch.save(weights, f))
+            print(f"wrote {args.weights}: {len(weights)} tensors of step {step}")
+            return 0
+        written = args.out / f"step_{step}.pt"
+        if written.exists() or storage.manifest_path(written).exists():
+            raise storage.CheckpointError(f"{written} exists already")
+        storage.save(state, args.out, step, keep=1_000_000, accuracy=None)
+        print(f"wrote {written} and its manifest (step {step})")
+        return 0
+    except (storage.CheckpointError, OSError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

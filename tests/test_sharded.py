@@ -1,0 +1,243 @@
+"""Sharded checkpoints (ckpt/storage.py save_sharded / load_sharded): every rank writes its own
+piece, the manifest lists every file's size and CRC-32, loading never unpickles anything but
+tensors and plain data, a bad shard is named and skipped, and a re-save never leaves a step
+without a complete checkpoint.
+
+One-process tests pass save_sharded a world of one (its gather and agreement are parameters);
+the spawned test runs 2 real ranks with FSDP2 shards and DDP-style replicated tensors, and
+compares what a single process loads with what the ranks gathered themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, run_ranks
+
+from ckpt import storage
+
+CPU = torch.device("cpu")
+
+
+def alone(error: BaseException | None, what: str) -> None:
+    """raise_if_any_failed for a world of one."""
+    if error is not None:
+        raise error
+
+
+def save_alone(state: dict, directory: Path, step: int, keep: int = 5) -> Path:
+    return storage.save_sharded(
+        state, directory, step, keep, None, 0, gather=lambda obj: [obj], agree=alone
+    )
+
+
+def a_state(step: int, value: float) -> dict:
+    return {
+        "model": {"w": torch.full((5, 3), value), "b": torch.arange(4.0)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
+        "step": step,
+        "config": {"optim": {"name": "sgd"}},
+    }
+
+
+def test_a_sharded_checkpoint_round_trips_whole(tmp_path) -> None:
+    folder = save_alone(a_state(2, 1.5), tmp_path, 2)
+    manifest = json.loads(storage.manifest_path(folder).read_text())
+    assert manifest["format"] == "sharded" and manifest["step"] == 2
+    assert set(manifest["files"]) == {p.name for p in folder.iterdir()}
+    for name, entry in manifest["files"].items():
+        assert (folder / name).stat().st_size == entry["bytes"]
+    state = storage.load(folder, CPU)
+    assert torch.equal(state["model"]["w"], torch.full((5, 3), 1.5))
+    assert torch.equal(state["model"]["b"], torch.arange(4.0))
+    assert state["optimizer"]["param_groups"] == [{"lr": 0.1}]
+    assert state["optimizer"]["state"][0]["step"].item() == 3.0
+    assert [step for step, _ in storage.list_checkpoints(tmp_path)] == [2]
+
+
+class Payload:
+    """Unpickling this runs a shell command that leaves a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("which", ["meta", "rank"])
+def test_a_pickle_payload_in_any_file_of_a_sharded_checkpoint_never_runs(tmp_path, which) -> None:
+    """The payload replaces a file and the manifest is rewritten to vouch for it (as an
+    attacker with write access would): loading refuses it by name, and nothing runs."""
+    folder = save_alone(a_state(2, 1.0), tmp_path, 2)
+    manifest_file = storage.manifest_path(folder)
+    manifest = json.loads(manifest_file.read_text())
+    victim = next(name for name in manifest["files"] if name.startswith(which))
+    marker = tmp_path / "pwned"
+    torch.save({"tensors": Payload(marker)}, folder / victim)  # torch's own zip format
+    manifest["files"][victim] = {
+        "bytes": (folder / victim).stat().st_size,
+        "crc32": storage.file_crc32(folder / victim),
+    }
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(storage.CheckpointError, match=f"{victim}.*refused"):
+        storage.load(folder, CPU)
+    assert not marker.exists()
+
+
+def test_a_truncated_shard_is_named_and_the_resume_takes_the_previous_checkpoint(
+    tmp_path, caplog
+) -> None:
+    save_alone(a_state(1, 1.0), tmp_path / "checkpoints", 1)
+    folder = save_alone(a_state(2, 2.0), tmp_path / "checkpoints", 2)
+    shard = next(folder.glob("rank_0.*.pt"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with caplog.at_level("WARNING"):
+        path, state = storage.load_for_resume("auto", tmp_path, CPU)
+    assert path.name == "step_1" and state["step"] == 1
+    assert f"{shard} is" in caplog.text and "truncated" in caplog.text
+
+
+def test_a_missing_shard_is_named(tmp_path) -> None:
+    folder = save_alone(a_state(1, 1.0), tmp_path, 1)
+    shard = next(folder.glob("rank_0.*.pt"))
+    shard.unlink()
+    with pytest.raises(storage.CheckpointError, match=f"lacks its file {shard.name}"):
+        storage.load(folder, CPU)
+
+
+def test_a_resave_of_a_step_that_dies_before_its_manifest_leaves_the_old_one_whole(
+    tmp_path, monkeypatch
+) -> None:
+    """A resumed run preempted at the step it started from saves that step again: until the
+    new manifest replaces the old one, the old files stay and load."""
+    folder = save_alone(a_state(2, 1.0), tmp_path, 2)
+    real = storage.atomic_write_bytes
+
+    def dies_at_the_manifest(path, *args, **kwargs):
+        if path.name.endswith(".manifest.json"):
+            raise OSError(5, "killed before the manifest")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "atomic_write_bytes", dies_at_the_manifest)
+    with pytest.raises(OSError):
+        save_alone(a_state(2, 9.0), tmp_path, 2)
+    monkeypatch.undo()
+    assert torch.equal(storage.load(folder, CPU)["model"]["w"], torch.full((5, 3), 1.0))
+    save_alone(a_state(2, 9.0), tmp_path, 2)  # the re-save that finishes
+    assert torch.equal(storage.load(folder, CPU)["model"]["w"], torch.full((5, 3), 9.0))
+    listed = json.loads(storage.manifest_path(folder).read_text())["files"]
+    assert {p.name for p in folder.iterdir()} == set(listed)  # the old files are gone
+
+
+def test_retention_removes_old_sharded_checkpoints_whole(tmp_path) -> None:
+    for step in (1, 2, 3):
+        save_alone(a_state(step, float(step)), tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_2",
+        "step_2.manifest.json",
+        "step_3",
+        "step_3.manifest.json",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Two real ranks
+
+
+def _two_ranks(info, directory: str) -> dict:
+    import torch.distributed as dist
+    from torch import nn
+
+    import distributed
+    import parallel
+    from config import DistConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))  # 5 and 3 rows: uneven
+    replicated = torch.arange(10.0).reshape(5, 2)  # held whole by both ranks
+    par = parallel.parallelize(model, info, DistConfig(strategy="fsdp", fsdp_units="Linear"))
+    state = {
+        "model": par.bare.state_dict(),  # DTensor shards
+        "extra": {"replicated": replicated, "mine": torch.full((2,), float(info.rank))},
+        "step": 4,
+    }
+    storage.save_sharded(
+        state,
+        Path(directory),
+        4,
+        2,
+        None,
+        info.rank,
+        gather=distributed.all_gather_object,
+        agree=lambda error, what: distributed.raise_if_any_failed(info, error, what),
+    )
+    whole = {key: value.full_tensor() for key, value in par.bare.state_dict().items()}
+    sizes = {p.name: p.stat().st_size for p in (Path(directory) / "step_4").iterdir()}
+    dist.barrier()
+    return {"whole": whole, "sizes": sizes}
+
+
+@pytest.mark.spawn
+def test_two_ranks_each_write_their_own_shard_and_one_process_loads_it_whole(tmp_path) -> None:
+    results = run_ranks(_two_ranks, 2, tmp_path, str(tmp_path / "checkpoints"))
+    folder = tmp_path / "checkpoints" / "step_4"
+    names = sorted(name.split(".")[0] for name in results[0]["sizes"])
+    assert names == ["meta", "rank_0", "rank_1"]
+    state = storage.load(folder, CPU)  # no process group: as a 1-rank resume does
+    for key, value in results[0]["whole"].items():
+        assert torch.equal(state["model"][key], value), key
+    assert torch.equal(state["extra"]["replicated"], torch.arange(10.0).reshape(5, 2))
+    assert torch.equal(state["extra"]["mine"], torch.zeros(2))  # every rank's: rank 0's kept
+    # Each rank wrote its own rows of the sharded parameters (torch.chunk: 3 and 2 of 5);
+    # rank 0 alone the tensors every rank holds.
+    rank_0 = torch.load(next(folder.glob("rank_0.*.pt")), weights_only=True)
+    rank_1 = torch.load(next(folder.glob("rank_1.*.pt")), weights_only=True)
+    assert rank_0["rows"]["/model/0.weight"] == [0, 3]
+    assert rank_1["rows"]["/model/0.weight"] == [3, 5]
+    assert rank_0["rows"]["/extra/replicated"] == [0, 5]
+    assert "/extra/replicated" not in rank_1["rows"]
+
+
+def consolidate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "scripts/consolidate_checkpoint.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_consolidate_writes_one_file_that_loads_with_weights_only(tmp_path) -> None:
+    state = a_state(7, 2.5)
+    state["ema"] = {"updates": 3, "weights": {"w": torch.full((5, 3), 0.5)}}
+    folder = save_alone(state, tmp_path / "checkpoints", 7)
+    weights = tmp_path / "weights.pt"
+    proc = consolidate(str(folder), f"--weights={weights}")
+    assert proc.returncode == 0, proc.stderr
+    loaded = torch.load(weights, weights_only=True)
+    assert loaded.keys() == {"w", "b"} and torch.equal(loaded["w"], torch.full((5, 3), 2.5))
+    average = tmp_path / "average.pt"
+    assert consolidate(str(folder), f"--weights={average}", "--ema").returncode == 0
+    assert torch.equal(torch.load(average, weights_only=True)["w"], torch.full((5, 3), 0.5))
+    out = tmp_path / "one"
+    assert consolidate(str(folder), f"--out={out}").returncode == 0
+    whole = storage.load(out / "step_7.pt", CPU)  # a checkpoint file with its manifest
+    assert torch.equal(whole["model"]["w"], torch.full((5, 3), 2.5)) and whole["step"] == 7
+    again = consolidate(str(folder), f"--weights={weights}")
+    assert again.returncode == 2 and "exists already" in again.stderr
+
+
+def test_consolidate_refuses_a_damaged_checkpoint_naming_the_file(tmp_path) -> None:
+    folder = save_alone(a_state(7, 2.5), tmp_path, 7)
+    shard = next(folder.glob("rank_0.*.pt"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    proc = consolidate(str(folder), f"--weights={tmp_path / 'w.pt'}")
+    assert proc.returncode == 2 and str(shard) in proc.stderr
+    assert not (tmp_path / "w.pt").exists()
