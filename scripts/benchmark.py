@@ -764,8 +764,10 @@ def strategy_entry(
     rounds: int,
     device_type: str,
     scratch: str,
+    store: int,
 ) -> None:
-    """One of 2 spawned ranks under `strategy`: bytes of parameters, gradients and optimizer
+    """One of 2 spawned ranks under `strategy` (`store`: a file store of its own): bytes of
+    parameters, gradients and optimizer
     state this rank holds after a step, its peak memory, and seconds per `steps` steps."""
     import resource
 
@@ -779,7 +781,7 @@ def strategy_entry(
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
-        init_method=f"file://{scratch}/store-{strategy}-{os.getppid()}",
+        init_method=f"file://{scratch}/store-{strategy}-{store}",
         rank=rank,
         world_size=2,
         timeout=timedelta(seconds=300),
@@ -820,11 +822,54 @@ def strategy_entry(
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start
             peak_kind = "peak RSS above the RSS before the model was built"
         report = {**held, "peak_bytes": peak, "peak_kind": peak_kind, "seconds": seconds}
+        if strategy == "fsdp":  # after the peak: the saves' buffers are not training's
+            report["checkpoint"] = time_checkpoints(info, par, optimizer, Path(scratch), rounds)
         gathered = distributed.all_gather_object(report)
         if rank == 0:
             (Path(scratch) / f"strategy-{strategy}.json").write_text(json.dumps(gathered))
     finally:
         distributed.teardown()
+
+
+def time_checkpoints(
+    info: DistInfo, par: Any, optimizer: torch.optim.Optimizer, scratch: Path, rounds: int
+) -> dict[str, list[float]]:
+    """Collective, under fsdp: seconds to save the model and optimizer state as a sharded
+    checkpoint (every rank its rows, in parallel) and as one file (gathered whole, rank 0
+    writes), alternately on the same state, and to load each back whole on every rank."""
+    from ckpt import parts
+
+    model_part, optim_part = parts.ModelState(par.bare), parts.OptimizerState(optimizer)
+    gather = distributed.all_gather_object
+
+    def agree(error: BaseException | None, what: str) -> None:
+        distributed.raise_if_any_failed(info, error, what)
+
+    sharded_dir, file_dir = scratch / "ckpt-sharded", scratch / "ckpt-file"
+    times: dict[str, list[float]] = {"save_sharded_s": [], "save_file_s": []}
+    times |= {"load_sharded_s": [], "load_file_s": []}
+    for step in range(1, rounds + 1):
+        started = time.perf_counter()
+        state = {
+            "model": model_part.sharded_state_dict(),
+            "optimizer": optim_part.sharded_state_dict(),
+            "step": step,
+        }
+        storage.save_sharded(state, sharded_dir, step, 1, None, info.rank, gather, agree)
+        times["save_sharded_s"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        whole = {"model": model_part.state_dict(), "optimizer": optim_part.state_dict()}
+        write = partial(storage.save, {**whole, "step": step}, file_dir, step, 1, None)
+        distributed.run_on_main(info, "saving the file checkpoint", write)
+        times["save_file_s"].append(time.perf_counter() - started)
+        for kind, path in (("sharded", sharded_dir / f"step_{step}"), ("file", None)):
+            dist.barrier()
+            started = time.perf_counter()
+            target = path if path is not None else file_dir / f"step_{step}.pt"
+            storage.load(target, torch.device("cpu"), verified=info.rank != 0)
+            dist.barrier()
+            times[f"load_{kind}_s"].append(time.perf_counter() - started)
+    return times
 
 
 def measure_strategies(
@@ -844,7 +889,17 @@ def measure_strategies(
         for strategy in order:
             mp.start_processes(
                 strategy_entry,
-                args=(strategy, model_name, image, batch, steps, 2, device.type, str(scratch)),
+                args=(
+                    strategy,
+                    model_name,
+                    image,
+                    batch,
+                    steps,
+                    2,
+                    device.type,
+                    str(scratch),
+                    repeat,
+                ),
                 nprocs=2,
                 start_method="spawn",
             )
@@ -872,6 +927,12 @@ def measure_strategies(
         }
         ddp_state = ddp_state or state
         result[strategy]["state_vs_ddp"] = state / ddp_state
+    fsdp_runs = per_strategy["fsdp"]
+    if "checkpoint" in fsdp_runs[0][0]:
+        result["checkpoint"] = {
+            key: Spread.of([s for run in fsdp_runs for s in run[0]["checkpoint"][key]])
+            for key in fsdp_runs[0][0]["checkpoint"]
+        }
     return result
 
 
@@ -895,6 +956,14 @@ def strategies_table(result: dict[str, Any]) -> str:
             f"{r['samples_per_s'].show('{:.1f}')}"
         )
     lines.append(f"peak: {result[STRATEGIES[0]]['peak_kind']}")
+    if "checkpoint" in result:
+        c = result["checkpoint"]
+        lines.append(
+            "fsdp checkpoint of model + optimizer state, seconds: save sharded "
+            f"{c['save_sharded_s'].show('{:.3f}')} vs one file by rank 0 "
+            f"{c['save_file_s'].show('{:.3f}')}; load sharded {c['load_sharded_s'].show('{:.3f}')}"
+            f" vs one file {c['load_file_s'].show('{:.3f}')}"
+        )
     return "\n".join(lines)
 
 
@@ -1084,6 +1153,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         help="also measure ddp, zero and fsdp at 2 ranks on model.name MODEL (resnet50): bytes "
         "of parameters, gradients and optimizer state per rank, peak memory, samples/s",
     )
+    parser.add_argument(
+        "--only-strategies",
+        action="store_true",
+        help="with --strategies: measure the strategies alone (not the pipeline's figures)",
+    )
     args, rest = parser.parse_known_args(argv)
     return args, parse_args(rest, prog="scripts/benchmark.py")
 
@@ -1119,7 +1193,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=parent))
     try:
         log_to(scratch / "pipeline.log")
-        report = measure(cfg, device, plan, scratch)
+        report = {} if args.only_strategies else measure(cfg, device, plan, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.time_to_accuracy:
@@ -1138,7 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
         load_average_at_end=os.getloadavg()[0],
         wall_s=time.perf_counter() - started,
     )
-    print(table(report))
+    if not args.only_strategies:
+        print(table(report))
     if "strategies" in report:
         print(strategies_table(report["strategies"]))
     if args.out:

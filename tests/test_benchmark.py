@@ -156,3 +156,35 @@ def test_imagefolder_benchmark_quick_run_reports_both_sides(tmp_path) -> None:
     assert result["ratios"]["ours / reference, per core"]["median"] > 0
     stages = result["us_per_sample_by_stage"]
     assert "decode" in stages["ours"] and "read+decode (PIL)" in stages["reference"]
+
+
+@pytest.mark.e2e
+def test_strategies_report_what_each_rank_holds(tmp_path) -> None:
+    """--strategies: per-rank bytes of parameters, gradients and optimizer state, counted from
+    the tensors each rank holds, against a hand computation for ResNet-18 (11,227,812
+    parameters with 100 classes; AdamW keeps two fp32 moments of each): ddp holds everything,
+    zero a share of the optimizer state, fsdp a share of everything."""
+    out = tmp_path / "strategies.json"
+    command = [sys.executable, "scripts/benchmark.py", "--quick", "--strategies=resnet18"]
+    command += ["--only-strategies", "--out", str(out), f"--run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())["strategies"]
+    params = 11_227_812 * 4
+    ddp, zero, fsdp = report["ddp"], report["zero"], report["fsdp"]
+    assert ddp["params_bytes_per_rank"] == [params, params]
+    assert ddp["grads_bytes_per_rank"] == [params, params]
+    assert sum(ddp["optimizer_state_bytes_per_rank"]) >= 2 * 2 * params  # and the steps
+    assert zero["params_bytes_per_rank"] == [params, params]
+    assert 2 * params <= sum(zero["optimizer_state_bytes_per_rank"]) < 2 * params + 1e6
+    assert sum(fsdp["params_bytes_per_rank"]) == params  # the shards add up to the model
+    assert fsdp["state_vs_ddp"] < 0.55
+    assert report["checkpoint"]["save_sharded_s"]["median"] > 0
+    assert "fsdp" in result.stdout and "save sharded" in result.stdout

@@ -61,6 +61,35 @@ def test_two_nodes_by_two_processes_is_one_job_equal_to_one_node_by_four(tmp_pat
         )
 
 
+def test_hybrid_shards_within_each_node_and_replicates_across_them(tmp_path) -> None:
+    """dist.strategy=hybrid on 2 nodes x 2 processes: a (2, 2) mesh, parameters sharded over
+    each node's 2 ranks and replicated across the nodes; the first node's ranks write the
+    sharded checkpoint's rows; the result is ddp's on the same 2 x 2 job, within float
+    rounding (the gradient reductions run in another order)."""
+    with netns_cluster(2) as cluster:
+        hybrid = cluster.launch(
+            [0, 1], nproc=2, args=[f"--run.dir={tmp_path / 'h'}", *JOB, "--dist.strategy=hybrid"]
+        )
+        ddp = cluster.launch(
+            [0, 1], nproc=2, args=[f"--run.dir={tmp_path / 'd'}", *JOB], port=29402
+        )
+    assert [r.returncode for r in hybrid + ddp] == [0, 0, 0, 0], hybrid[0].stderr[-3000:]
+    assert "dist.strategy=hybrid: mesh (2, 2)" in hybrid[0].stdout
+    folder = tmp_path / "h" / "checkpoints" / "step_6"
+    rows = {}
+    for shard in folder.glob("rank_*.pt"):
+        rows[shard.name.split(".")[0]] = torch.load(shard, weights_only=True)["rows"]
+    weight = next(key for key in rows["rank_0"] if key.endswith(".weight") and "conv" in key)
+    assert weight in rows["rank_1"]  # node 0's two ranks each wrote half of it
+    assert weight not in rows["rank_2"] and weight not in rows["rank_3"]  # node 1: replicas
+    from ckpt import storage
+
+    a = storage.load(folder, torch.device("cpu"))
+    b = final_state(tmp_path / "d")
+    for key, value in b["model"].items():
+        assert torch.allclose(a["model"][key], value, atol=2e-5), key
+
+
 def test_three_nodes(tmp_path) -> None:
     with netns_cluster(3) as cluster:
         results = cluster.launch([0, 1, 2], nproc=1, args=[f"--run.dir={tmp_path}", *JOB])
