@@ -204,33 +204,14 @@ def save(
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(directory)
     path = directory / f"step_{step}.pt"
-    hashed: list[_HashingWriter] = []
-
-    def write(f: BinaryIO) -> None:
-        writer = _HashingWriter(f)
-        torch.save(state, writer)
-        hashed.append(writer)
-        f.flush()
-
     # Re-saving a step (a resumed run saves again the step it was preempted at) must not
     # invalidate the good checkpoint of that step before its replacement is durable: the new
     # bytes go to a temporary file first, a second manifest vouches for them before they are
     # renamed over the old ones, and only then does the manifest proper change. At every
     # point the file under the final name matches one of the two manifests.
     replacing = path.exists() or manifest_path(path).exists()
-    tmp = write_temporary(path, write)
-    # Verified before any manifest vouches for it: complete (the size on disk is what was
-    # written, after fsync) and checksummed from the very bytes torch.save produced. Reading it
-    # back now would only read the page cache, not the disk, at the cost of a second pass.
-    expected = f"{hashed[0].crc32:08x}"
-    if tmp.stat().st_size != hashed[0].bytes:
-        size = tmp.stat().st_size
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(
-            f"checkpoint {path} is {size} bytes on disk, {hashed[0].bytes} were written: the "
-            "storage lost part of the write"
-        )
-    manifest = {"file": path.name, "bytes": hashed[0].bytes, "crc32": expected, "step": step}
+    tmp, size, expected = _write_checked(path, state)
+    manifest = {"file": path.name, "bytes": size, "crc32": expected, "step": step}
     payload = (json.dumps(manifest) + "\n").encode()
     if replacing:
         atomic_write_bytes(next_manifest_path(path), lambda f: f.write(payload))
@@ -241,7 +222,7 @@ def save(
     atomic_write_bytes(manifest_path(path), lambda f: f.write(payload))
     next_manifest_path(path).unlink(missing_ok=True)
     _finish(directory, step, keep, accuracy)
-    log.info("saved checkpoint %s (%d bytes, crc32 %s)", path, hashed[0].bytes, expected)
+    log.info("saved checkpoint %s (%d bytes, crc32 %s)", path, size, expected)
     return path
 
 
@@ -528,9 +509,11 @@ def _pieces(
     return mine, every
 
 
-def _write_pieces(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
-    """torch.save `payload` to `path` through a fsynced temporary file whose size is checked;
-    {"bytes", "crc32"} of what was written."""
+def _write_checked(path: Path, payload: Any) -> tuple[Path, int, str]:
+    """torch.save `payload` to a fsynced temporary file beside `path`; (that file, bytes,
+    CRC-32). Verified before any manifest vouches for it: complete (the size on disk is what
+    was written, after fsync) and checksummed from the very bytes torch.save produced. Reading
+    it back now would only read the page cache, not the disk, at the cost of a second pass."""
     hashed: list[_HashingWriter] = []
 
     def write(f: BinaryIO) -> None:
@@ -544,11 +527,17 @@ def _write_pieces(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
         size = tmp.stat().st_size
         tmp.unlink(missing_ok=True)
         raise CheckpointError(
-            f"checkpoint file {path} is {size} bytes on disk, {hashed[0].bytes} were written: "
-            "the storage lost part of the write"
+            f"checkpoint {path} is {size} bytes on disk, {hashed[0].bytes} were written: the "
+            "storage lost part of the write"
         )
+    return tmp, hashed[0].bytes, f"{hashed[0].crc32:08x}"
+
+
+def _write_pieces(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """`_write_checked`, renamed into place; {"bytes", "crc32"} of what was written."""
+    tmp, size, crc = _write_checked(path, payload)
     os.replace(tmp, path)
-    return {"bytes": hashed[0].bytes, "crc32": f"{hashed[0].crc32:08x}"}
+    return {"bytes": size, "crc32": crc}
 
 
 def save_sharded(
