@@ -472,9 +472,9 @@ class CkptConfig(_Section):
     """newest checkpoints to keep (the best one by eval accuracy is kept as
     well)"""
     async_save: bool = False
-    """write checkpoints in a background thread; training waits only for
-    the copy to host memory (the last and the preemption checkpoint are
-    always waited for)"""
+    """write checkpoints in a background process (ckpt/writer.py); training
+    waits only for the copy into shared memory (the last and the preemption
+    checkpoint are always waited for)"""
     format: Literal["auto", "file", "sharded"] = "auto"
     """file = rank 0 writes one file; sharded = every rank writes its own
     piece of each tensor, in parallel, into a folder (any world size and

@@ -6,9 +6,9 @@ protocol (`state_dict()` / `load_state_dict()`;
 torch's own optimizers, schedulers and scalers already do), and is registered by name with the
 `CheckpointManager`. The manager owns the rest: which checkpoint a run resumes from (rank 0
 chooses, every rank loads the same file), whether this run can continue it, when saves
-happen, the metadata beside the parts, and the write (rank 0, atomic, verified, optionally in
-the background; see ckpt/storage.py for the on-disk guarantees). Adding saved state is one
-`manager.register(name, part)`.
+happen, the metadata beside the parts, and the write (rank 0, atomic, verified, optionally in a
+background process: ckpt/writer.py; see ckpt/storage.py for the on-disk guarantees). Adding
+saved state is one `manager.register(name, part)`.
 
 A part's `state_dict` may be a collective (the random generators and the ledger gather every
 rank's): the manager calls it on every rank, and only rank 0 writes.
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkabl
 
 import distributed
 import parallel
-from ckpt import rundir, storage
+from ckpt import rundir, storage, writer
 from config import Config, ConfigError, global_batch_size
 from distributed import DistInfo
 
@@ -86,7 +86,8 @@ class CheckpointManager:
         self.classes = list(classes) if classes is not None else None  # label -> class name
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
         self.directory = storage.checkpoint_dir(cfg.run.dir)
-        self.saver = storage.AsyncSaver() if cfg.ckpt.async_save else None
+        # ckpt.async_save: rank 0's writer process (started now, to be ready for the first save)
+        self.saver = writer.ProcessSaver() if cfg.ckpt.async_save and info.is_main else None
         # Sharded: every rank writes its own piece of each tensor (storage.save_sharded).
         self.sharded = cfg.ckpt.format == "sharded" or (
             cfg.ckpt.format == "auto" and parallel.shards(cfg.dist.strategy)
@@ -196,12 +197,14 @@ class CheckpointManager:
             distributed.run_on_main(self.info, "finishing the last checkpoint", self.saver.wait)
 
     def close(self) -> None:
-        """Let a write in flight finish (its error was or is reported elsewhere)."""
+        """Let a write in flight finish (its error was or is reported elsewhere), then stop
+        the writer process."""
         if self.saver is not None:
             try:
-                self.saver.wait()
+                self.saver.close()
             except Exception as err:
                 log.warning("the last checkpoint write failed: %s", err)
+            self.saver = None
 
     # -- resuming ------------------------------------------------------------------------------
 

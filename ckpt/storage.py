@@ -27,7 +27,6 @@ import os
 import pickle
 import re
 import shutil
-import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -448,10 +447,15 @@ def _flatten(state: Any) -> tuple[Any, list[tuple[str, Any]]]:
         if isinstance(value, dict):
             return {key: walk(item, f"{where}/{key}") for key, item in value.items()}
         if isinstance(value, list | tuple):
+            if all(type(item) in _PLAIN for item in value):  # e.g. Python's RNG state: as is
+                return value
             return type(value)(walk(item, f"{where}/{i}") for i, item in enumerate(value))
         return value
 
     return walk(state, ""), leaves
+
+
+_PLAIN = (int, float, bool, str, type(None))
 
 
 def _unflatten(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
@@ -710,57 +714,3 @@ def load_sharded(folder: Path, device: torch.device, verified: bool = False) -> 
             "pipeline"
         )
     return state
-
-
-def to_host(state: Any) -> Any:
-    """A copy of `state` whose tensors live in host memory, detached from the live ones."""
-    if isinstance(state, torch.Tensor):
-        if state.device.type == "cpu":
-            return state.detach().clone()
-        return state.detach().to("cpu", non_blocking=False)
-    if isinstance(state, dict):
-        return {key: to_host(value) for key, value in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(to_host(value) for value in state)
-    return state
-
-
-class AsyncSaver:
-    """Writes checkpoints in a background thread; training stalls only for the host copy.
-
-    At most one write is in flight: `save` first waits for the previous one. A failed write
-    is re-raised by the next `save` or `wait`, so no error is lost. Atomicity is `save`'s.
-    """
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def save(
-        self,
-        state: dict[str, Any],
-        directory: Path,
-        step: int,
-        keep: int,
-        accuracy: float | None,
-    ) -> None:
-        self.wait()
-        host_state = to_host(state)
-
-        def run() -> None:
-            try:
-                save(host_state, directory, step, keep, accuracy)
-            except BaseException as err:  # handed to the training thread by wait()
-                self._error = err
-
-        self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error

@@ -18,7 +18,7 @@ slow machine moves both sides alike:
   of a few large matmuls in the training dtype on the same device.
 - checkpoint_save_ratio: train.py's synchronous checkpoint save / writing as many bytes raw
   with fsync, in the same directory.
-- async_checkpoint_stall_ratio: training time lost to a save through storage.AsyncSaver /
+- async_checkpoint_stall_ratio: training time lost to a save through writer.ProcessSaver /
   the synchronous save time.
 
 Both training loops replay the same uint8 batches, taken once from the pipeline's own training
@@ -68,7 +68,7 @@ import metrics  # noqa: E402
 import parallel  # noqa: E402
 import resilience  # noqa: E402
 import train  # noqa: E402
-from ckpt import storage  # noqa: E402
+from ckpt import storage, writer  # noqa: E402
 from config import (  # noqa: E402
     Config,
     ConfigError,
@@ -238,7 +238,7 @@ class Pipeline:
     def run(self, num_steps: int) -> None:
         self.trainer.train_steps(num_steps)
 
-    def save(self, step: int, accuracy: float | None, saver: storage.AsyncSaver | None) -> None:
+    def save(self, step: int, accuracy: float | None, saver: writer.ProcessSaver | None) -> None:
         """The Trainer's checkpoint save as of `step`: synchronous, or handed to `saver`."""
         self.trainer.checkpoints.saver = saver
         self.trainer.checkpoints.save(step, accuracy)
@@ -595,14 +595,23 @@ def measure_large_checkpoint(directory: Path, plan: Plan, device: torch.device) 
 
 
 def measure_async(rig: Rig, plan: Plan, sync_save_s: float) -> dict[str, Any]:
-    """Bare steps after an AsyncSaver save vs the same steps without one.
+    """Bare steps after a ProcessSaver save vs the same steps without one.
 
     A round spans enough steps to cover a whole synchronous save and ends in `wait()`, so a
     write that outlasts it is counted in full. The stall is what `save()` blocks for (building
-    the state, train.py's finite check, the host copy) plus any slowdown the writer thread
-    causes the steps (GIL, cores, memory bandwidth).
+    the state, the copy into shared memory) plus any slowdown the writer process
+    causes the steps (cores, memory bandwidth, the page cache).
     """
-    saver = storage.AsyncSaver()
+    saver = writer.ProcessSaver()
+    try:
+        return _measure_async(rig, plan, sync_save_s, saver)
+    finally:
+        saver.close()
+
+
+def _measure_async(
+    rig: Rig, plan: Plan, sync_save_s: float, saver: writer.ProcessSaver
+) -> dict[str, Any]:
     step_s = timed(partial(bare_steps, rig.bare, 1), rig.info.device)
     steps = max(2, math.ceil(sync_save_s / step_s) + 1)
     next_step = itertools.count(10**6)  # after the synchronous saves: retention prunes those
@@ -615,7 +624,7 @@ def measure_async(rig: Rig, plan: Plan, sync_save_s: float) -> dict[str, Any]:
         bare_steps(rig.bare, steps)
         saver.wait()
 
-    steps_with_save()  # warm-up: the writer thread, the host buffers
+    steps_with_save()  # warm-up: the writer has started, the shared buffers exist
     blocking.clear()
     seconds = interleaved(
         {"plain": partial(bare_steps, rig.bare, steps), "async": steps_with_save},

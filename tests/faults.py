@@ -244,7 +244,10 @@ def main() -> int:
     sys.path.insert(0, str(REPO))
     import train
 
+    from ckpt import writer
+
     install_from_environment()
+    writer.child_setup = "faults:install_from_environment"  # ckpt.async_save's writer too
     return train.main()
 
 

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from helpers import REPO, run_ranks
 from torch import nn
 
 import engine
-from ckpt import storage
+from ckpt import storage, writer
 from config import Config, OptimConfig
 from distributed import DistInfo
 from model import MiniResNet
@@ -268,7 +270,7 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path, variant) -> None:
 
 _SAVE_AGAIN = """
 import sys, torch, faults
-from ckpt import storage
+from ckpt import storage, writer
 faults.install_from_environment()
 state = {"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}
 storage.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
@@ -307,7 +309,7 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survi
 
 _RESAVE = """
 import sys, torch, faults
-from ckpt import storage
+from ckpt import storage, writer
 faults.install_from_environment()
 state = {"model": {"w": torch.full((200_000,), 3.0)}, "step": 2}
 storage.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
@@ -346,39 +348,160 @@ def test_sigkill_during_a_resave_of_the_same_step_keeps_it_loadable(tmp_path, st
 # Asynchronous saving
 
 
-def test_async_save_writes_the_state_as_it_was_when_called(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def saver():
+    """One writer process for the module's tests (spawning one imports torch: seconds)."""
+    process_saver = writer.ProcessSaver()
+    yield process_saver
+    process_saver.close()
+
+
+def loaded_equal(path: Path, reference: dict) -> None:
+    """Every tensor of checkpoint `path` equals, with its strides, `reference`'s."""
+    state = storage.load(path, CPU)
+    _, got = storage._flatten(state)
+    _, want = storage._flatten(reference)
+    assert [name for name, _ in got] == [name for name, _ in want]
+    for (name, a), (_, b) in zip(got, want, strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype, name
+
+
+def test_async_save_writes_the_state_as_it_was_when_called(tmp_path, saver) -> None:
+    """Each save copies the state of its call into the writer's reused buffers: the second
+    save is the weights after two more steps, the first keeps its own, and both load exactly
+    as the synchronous save of the same state (the independent reference)."""
     objs = training_objects()
     take_steps(objs, 2, seed=0)
-    expected = {k: v.clone() for k, v in objs[0].state_dict().items()}
-    saver = storage.AsyncSaver()
-    saver.save(state_of(objs, 2), tmp_path, step=2, keep=2, accuracy=None)
+    at_2 = to_clone(state_of(objs, 2))
+    saver.save(state_of(objs, 2), tmp_path / "async", step=2, keep=3, accuracy=None)
     take_steps(objs, 2, seed=1)  # training goes on and changes the weights in place
+    at_4 = to_clone(state_of(objs, 4))
+    saver.save(state_of(objs, 4), tmp_path / "async", step=4, keep=3, accuracy=0.5)
+    take_steps(objs, 1, seed=2)
     saver.wait()
-    state = storage.load(tmp_path / "step_2.pt", CPU)
-    for key, value in expected.items():
-        assert torch.equal(state["model"][key], value), key
-    assert not torch.equal(state["model"]["stem.0.weight"], objs[0].state_dict()["stem.0.weight"])
+    storage.save(at_2, tmp_path / "sync", step=2, keep=3, accuracy=None)
+    for step, state in ((2, at_2), (4, at_4)):
+        loaded_equal(tmp_path / "async" / f"step_{step}.pt", state)
+        storage.verify(tmp_path / "async" / f"step_{step}.pt")  # its manifest vouches for it
+    loaded_equal(tmp_path / "sync" / "step_2.pt", storage.load(tmp_path / "async" / "step_2.pt", CPU))
+    assert storage.read_best(tmp_path / "async") == {"step": 4, "accuracy": 0.5}
 
 
-def test_async_save_failure_is_raised_by_the_next_call(tmp_path) -> None:
-    saver = storage.AsyncSaver()
+def to_clone(state: dict) -> dict:
+    skeleton, leaves = storage._flatten(state)
+    return storage._unflatten(skeleton, {i: t.clone() for i, (_, t) in enumerate(leaves)})
+
+
+def test_async_save_keeps_channels_last_strides(tmp_path, saver) -> None:
+    weight = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
+    state = {"model": {"w": weight}, "step": 1}
+    saver.save(state, tmp_path, step=1, keep=1, accuracy=None)
+    saver.wait()
+    loaded_equal(tmp_path / "step_1.pt", state)
+
+
+def test_async_save_failure_is_raised_by_the_next_call(tmp_path, saver) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
     saver.save({"model": {}, "step": 1}, blocker, step=1, keep=1, accuracy=None)
     with pytest.raises(OSError):
         saver.wait()
     saver.wait()  # reported once
+    saver.save({"model": {"w": torch.ones(2)}, "step": 2}, tmp_path / "ok", 2, 1, None)
+    saver.wait()  # the writer goes on after a failed write
+    assert (tmp_path / "ok" / "step_2.pt").is_file()
+
+
+def test_the_writer_finishes_a_write_through_the_signals_a_cluster_sends(tmp_path) -> None:
+    """Slurm and the kubelet signal every process of a job, the writer too: it ignores them,
+    and the training process (which decides what a preemption means) gets the checkpoint."""
+    process_saver = writer.ProcessSaver()
+    try:
+        state = {"model": {"w": torch.randn(1 << 20)}, "step": 3}
+        process_saver.save(state, tmp_path, step=3, keep=1, accuracy=None)
+        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            os.kill(process_saver.pid, signum)
+        process_saver.wait()
+        loaded_equal(tmp_path / "step_3.pt", state)
+        assert process_saver._process.poll() is None  # alive
+    finally:
+        process_saver.close()
+    assert process_saver._process.poll() == 0  # the socket closed: the writer ended
+
+
+def test_a_killed_writer_is_a_failed_save_naming_its_signal(tmp_path) -> None:
+    process_saver = writer.ProcessSaver()
+    try:
+        state = {"model": {"w": torch.ones(3)}, "step": 1}
+        process_saver.save(state, tmp_path, step=1, keep=2, accuracy=None)
+        process_saver.wait()
+        os.kill(process_saver.pid, signal.SIGKILL)  # the OOM killer, say
+        process_saver._process.wait()
+        with pytest.raises(writer.WriterDied, match="killed by SIGKILL.*step 2"):
+            process_saver.save({**state, "step": 2}, tmp_path, step=2, keep=2, accuracy=None)
+            process_saver.wait()
+    finally:
+        process_saver.close()
+    assert [p.name for _, p in storage.list_checkpoints(tmp_path)] == ["step_1.pt"]
+    storage.verify(tmp_path / "step_1.pt")
+
+
+def test_the_writer_dies_with_the_training_process(tmp_path) -> None:
+    """A SIGKILLed training process leaves no writer behind (PR_SET_PDEATHSIG)."""
+    script = (
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from ckpt import writer\n"
+        "s = writer.ProcessSaver()\n"
+        "print(s.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{child}").exists() or "Z" in _state_of(child):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"writer process {child} outlived its parent")
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_by_the_writer(tmp_path) -> None:
+    """multiprocessing's spawn runs the user's main script again in the child (an unguarded
+    one then starts a second writer and fails); the writer is a fresh interpreter instead."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from ckpt import writer\n"
+        "print('script body ran', flush=True)\n"
+        "s = writer.ProcessSaver()\n"
+        f"s.save({{'model': {{'w': torch.ones(3)}}, 'step': 1}}, {str(tmp_path)!r}, 1, 1, None)\n"
+        "s.close()\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("script body ran") == 1
+    storage.verify(tmp_path / "step_1.pt")
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_model_is_never_checkpointed(tmp_path, bad) -> None:
+def test_a_non_finite_model_is_never_checkpointed(tmp_path, bad, saver) -> None:
     objs = training_objects()
     state = state_of(objs, 4)
     state["model"]["head.bias"] = state["model"]["head.bias"].clone()
     state["model"]["head.bias"][3] = bad
     with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
         storage.save(state, tmp_path, step=4, keep=2, accuracy=None)
-    saver = storage.AsyncSaver()
     saver.save(state, tmp_path, step=4, keep=2, accuracy=None)  # checked in the background
     with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
         saver.wait()

@@ -162,6 +162,31 @@ def test_preempted_run_with_dropout_resumes_exactly(tmp_path, reference_1) -> No
     assert_same_training_state(final_state(run_dir), ref_state)
 
 
+def test_async_checkpoints_survive_a_preemption_and_a_killed_writer(tmp_path, reference_1) -> None:
+    """ckpt.async_save writes from a child process. A preemption's checkpoint (step 6) is
+    complete when the run exits 75. The next attempt's writer is SIGKILLed writing its first
+    checkpoint (the end of epoch 0, step 7), after renaming the file and before its
+    manifest: the training process reports the dead writer and fails, retryably; the third
+    attempt skips the manifest-less file, resumes from step 6 and ends equal to the
+    uninterrupted synchronous run."""
+    run_dir = tmp_path / "run"
+    args = ("--ckpt.async_save=true", "--ckpt.every_steps=3")
+    first = launch(run_dir, 1, *args, faults="sigterm@step=5")
+    assert first.returncode == exitcodes.EXIT_PREEMPTED, first.output[-3000:]
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "step_6.manifest.json").exists()
+    second = launch(run_dir, 1, *args, faults="sigkill@save=renamed")
+    assert second.returncode == 1, second.output[-3000:]
+    assert "checkpoint writer process (killed by SIGKILL)" in second.output
+    assert (checkpoints / "step_7.pt").exists()
+    assert not (checkpoints / "step_7.manifest.json").exists()
+    third = launch(run_dir, 1, *args)
+    assert third.returncode == 0, third.output[-3000:]
+    assert f"skipping unusable checkpoint: checkpoint {checkpoints / 'step_7.pt'}" in third.output
+    assert_same_training_state(final_state(run_dir), final_state(reference_1))
+    assert epoch_digests(run_dir) == epoch_digests(reference_1)
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
