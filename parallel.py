@@ -23,6 +23,7 @@ the module's type, so the training step itself never asks which strategy runs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 from collections.abc import Iterator
@@ -128,6 +129,72 @@ class Parallel:
 
 
 # ---------------------------------------------------------------------------------------------
+# Running out of memory
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What `parallelize` placed on this rank, for the out-of-memory message."""
+
+    strategy: str
+    world_size: int
+    parameter_bytes: int  # of the whole model
+    local_parameter_bytes: int  # held by this rank
+
+
+_placed: list[Placement] = []  # the last `parallelize` of this process
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU
+    allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory", c10's
+    alloc_cpu.cpp), also when another exception was raised from one."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, torch.OutOfMemoryError | MemoryError):
+            return True
+        if isinstance(current, RuntimeError) and "can't allocate memory" in str(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def out_of_memory_advice(err: BaseException, rank: int, batch_size: int) -> str:
+    """What ran out, what this rank held under dist.strategy, and what to change."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    said = f"rank {rank} ran out of memory ({first})"
+    if not _placed:
+        return f"{said}; lower data.batch_size, or shard the model with --dist.strategy=fsdp"
+    p = _placed[-1]
+    mb = p.parameter_bytes / 1e6
+    activations = (
+        f"activations grow with data.batch_size ({batch_size} per rank): lower it and raise "
+        "train.grad_accum_steps to keep the global batch"
+    )
+    if p.strategy in ("ddp", "zero"):
+        held = (
+            "its gradients and its optimizer state"
+            if p.strategy == "ddp"
+            else ("its gradients (the optimizer state is sharded)")
+        )
+        return (
+            f"{said}. Under dist.strategy={p.strategy} every rank holds the whole model "
+            f"({mb:.1f} MB of parameters), {held}: --dist.strategy=fsdp shards parameters, "
+            f"gradients and optimizer state over the {p.world_size} ranks"
+            + (", --dist.strategy=zero the optimizer state only" if p.strategy == "ddp" else "")
+            + f"; {activations}"
+        )
+    return (
+        f"{said}. Under dist.strategy={p.strategy} this rank holds "
+        f"{p.local_parameter_bytes / 1e6:.1f} of the model's {mb:.1f} MB of parameters (and as "
+        "much again per gradient and optimizer moment), plus one unit whole while it runs: "
+        f"more ranks shard it finer; {activations}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Building
 
 
@@ -151,6 +218,8 @@ def parallelize(
     timer: AllReduceTimer | None = None
     mesh = None
     if shards(strategy):
+        if info.device.type == "cpu":
+            return_freed_host_memory(info)
         mesh = device_mesh(info, strategy)
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         units = shard(model, mesh, cfg)
@@ -172,11 +241,44 @@ def parallelize(
             )
         wrapped: nn.Module = model
     else:
+        whole = mine = sum(p.numel() * p.element_size() for p in model.parameters())
         wrapped = distributed.wrap_model(model, info, cfg, nvtx=nvtx)
         timer = getattr(wrapped, "allreduce_timer", None)
+    _placed[:] = [Placement(strategy, info.world_size, whole, mine)]
     if compile:
         wrapped = torch.compile(wrapped)
     return Parallel(strategy=strategy, model=wrapped, bare=model, comm_timer=timer, mesh=mesh)
+
+
+# glibc's mallopt parameter: allocations at least this large get their own mapping
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value
+
+
+def return_freed_host_memory(info: DistInfo) -> bool:
+    """Under fsdp on CPU: keep glibc's mmap threshold at its initial 128 KiB, so that the
+    blocks FSDP all-gathers and frees at every forward and backward go back to the system.
+
+    glibc raises the threshold to the size of any mapped block freed (up to 32 MiB), after
+    which such blocks come from the heap, where freed memory stays resident between live
+    ones. Measured at 2 ranks (ResNet-50, AdamW, 3x64x64, batch 8): peak RSS above start
+    716 MB and still growing after 3 steps, vs ddp's 641 MB; with the fixed threshold 443 MB
+    (ddp: 607 MB). A MALLOC_MMAP_THRESHOLD_ in the environment is left as the user set it.
+    Returns whether the threshold was set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        done = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1
+    except (OSError, AttributeError):  # not glibc
+        done = False
+    if done and info.is_main:
+        log.info(
+            "fsdp on CPU: glibc's mmap threshold fixed at %d KiB (freed all-gather buffers "
+            "return to the system)",
+            _MMAP_THRESHOLD_BYTES // 1024,
+        )
+    return done
 
 
 def device_mesh(info: DistInfo, strategy: str) -> DeviceMesh:

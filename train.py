@@ -629,7 +629,8 @@ def warn_if_oversubscribed(cfg: Config, info: DistInfo, settings: auto.Auto) -> 
 def build_model(
     cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
 ) -> nn.Module:
-    """The model (model.name or model.factory) on this rank's device, the same initial
+    """The model (model.name or model.factory) on this rank's device (under fsdp and hybrid:
+    in host memory, for parallelize to shard onto the device), the same initial
     weights on every rank; in channels_last memory format as model.channels_last resolves
     (auto.channels_last)."""
     if channels_last is None:
@@ -647,10 +648,13 @@ def build_model(
                 f"use model.norm={other} on CPU"
             )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # FSDP2 refuses channels_last parameters (the inputs may still be channels_last, and
-    # convolutions then run channels_last): under fsdp the weights stay contiguous.
-    sharded = parallel.shards(cfg.dist.strategy)
-    memory_format = torch.channels_last if channels_last and not sharded else torch.preserve_format
+    if parallel.shards(cfg.dist.strategy):
+        # Left in host memory: fully_shard moves each unit to the device as it shards it, so
+        # the device holds one unit whole at a time, never the whole model. FSDP2 refuses
+        # channels_last parameters (the inputs may still be channels_last, and convolutions
+        # then run channels_last): the weights stay contiguous.
+        return model
+    memory_format = torch.channels_last if channels_last else torch.preserve_format
     return model.to(device=info.device, memory_format=memory_format)
 
 
@@ -862,6 +866,15 @@ def main(argv: list[str] | None = None) -> int:
         if err.exit_code == exitcodes.EXIT_BAD_INPUT:
             report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return err.exit_code
+    except Exception as err:
+        if not parallel.is_out_of_memory(err):
+            raise
+        # The same command on the same machines runs out again: final, with what to change.
+        rank = int(os.environ.get("RANK", "0"))
+        advice = parallel.out_of_memory_advice(err, rank, cfg.data.batch_size)
+        log.error("%s", advice)
+        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
+        return exitcodes.EXIT_BAD_INPUT
     finally:
         distributed.teardown()
 

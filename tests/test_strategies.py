@@ -10,15 +10,18 @@ for bit with the uninterrupted run of the same strategy.
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import final_state, launch, rows, run_ranks
+from helpers import REPO, final_state, launch, rows, run_ranks
 from torch import nn
 
+import exitcodes
 from config import ConfigError, DistConfig, OptimConfig, parse_args
 
 # Group norm: BatchNorm's batch statistics are per rank, so 2 ranks x 16 samples is not the
@@ -299,3 +302,65 @@ def test_an_fsdp_job_killed_before_its_manifest_resumes_from_the_previous_checkp
     for index, entry in a["optimizer"]["state"].items():
         for name, value in entry.items():
             assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
+
+
+# A per-process memory limit the test sets on the launcher, inherited by torchrun and the
+# workers: RLIMIT_DATA, which since Linux 4.7 counts every private writable mapping
+# (mm/mmap.c, is_data_mapping), so glibc's mmap'd blocks as well as its heap; an allocation
+# past it fails with ENOMEM, which c10's CPU allocator raises as "DefaultCPUAllocator: can't
+# allocate memory" (c10/core/impl/alloc_cpu.cpp). A cgroup limit would be the OOM killer's
+# SIGKILL instead: nothing could report it.
+# Measured (peak VmData per worker, examples.custom_model:wide_mlp, AdamW, 2 ranks, batch 4):
+# ddp 1,870 MB, fsdp 1,370 MB; the limit sits between, 230 MB above fsdp's peak.
+DATA_LIMIT_MB = 1600
+
+
+def _limit_data() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT_MB << 20, resource.RLIM_INFINITY))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_model_that_outgrows_a_rank_fails_under_ddp_and_trains_under_fsdp(
+    tmp_path, strategy
+) -> None:
+    """A model of 202 MB of parameters with AdamW (about 0.8 GB of training state per rank
+    under ddp) under a memory limit of each process: ddp runs out, and the launcher exits 2
+    (retrying the same command cannot help) with a message naming dist.strategy; fsdp at 2
+    ranks trains under the same limit."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MAX_RESTARTS": "1"}
+    proc = subprocess.run(
+        [
+            "bash",
+            "scripts/train_single_node.sh",
+            f"--run.dir={tmp_path / 'run'}",
+            f"--dist.strategy={strategy}",
+            "--model.factory=examples.custom_model:wide_mlp",
+            "--optim.name=adamw",
+            "--data.dataset=synthetic",
+            "--data.synthetic_train_size=64",
+            "--data.synthetic_eval_size=16",
+            "--data.batch_size=4",
+            "--data.num_workers=0",
+            "--train.max_steps=4",
+            "--log.tensorboard=false",
+            "--dist.preflight=false",
+        ],
+        cwd=REPO,
+        env=env,
+        preexec_fn=_limit_data,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    if strategy == "ddp":
+        assert proc.returncode == exitcodes.EXIT_BAD_INPUT, output[-4000:]
+        assert "ran out of memory" in output and "can't allocate memory" in output
+        assert "Under dist.strategy=ddp every rank holds the whole model (201.8 MB" in output
+        assert "--dist.strategy=fsdp shards parameters, gradients and optimizer state" in output
+    else:
+        assert proc.returncode == 0, output[-4000:]
+        assert final_state(tmp_path / "run")["step"] == 4
