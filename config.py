@@ -616,16 +616,6 @@ class Config:
                     "rank takes rank 0's BatchNorm statistics at each step (as DDP does); use "
                     "model.norm=batch, or dist.strategy=ddp for SyncBatchNorm"
                 )
-        sharded = self.ckpt.format == "sharded" or (
-            self.ckpt.format == "auto" and self.dist.strategy in SHARDED_STRATEGIES
-        )
-        if self.ckpt.async_save and sharded:
-            raise ConfigError(
-                "ckpt.async_save=true cannot be combined with sharded checkpoints (ckpt.format="
-                f"{self.ckpt.format}, dist.strategy={self.dist.strategy}): each rank writes its "
-                "own piece synchronously, in parallel; leave async_save off, or set "
-                "ckpt.format=file for rank 0 to write one file in the background"
-            )
         if self.dist.static_graph and self.train.grad_accum_steps > 1:
             raise ConfigError(
                 f"dist.static_graph=true cannot be combined with train.grad_accum_steps="

@@ -105,6 +105,7 @@ class Verdict:
     skip: bool  # a non-finite loss or gradient somewhere: leave params and optimizer alone
     stop: str | None  # name of the preemption signal some rank received, or None
     nonfinite_ranks: tuple[int, ...]  # ranks whose loss was not finite
+    writes_done: bool = True  # no rank's checkpoint writer is still writing
 
 
 class StepGuard:
@@ -112,7 +113,9 @@ class StepGuard:
 
     Slots: one per rank for "my loss is not finite", one for "my gradient norm is not finite"
     (the norm is taken after DDP's all-reduce, so it is the same on every rank, but a rank
-    without DDP, world size 1, still needs it), one for "a preemption signal arrived here".
+    without DDP, world size 1, still needs it), one for "a preemption signal arrived here",
+    one for "my checkpoint writer is still writing" (a sharded checkpoint's manifest is
+    written at the first step where no rank is).
     The result is read on the host once per step: free on CPU, one device sync on CUDA.
     """
 
@@ -123,7 +126,7 @@ class StepGuard:
         self.consecutive = 0
         self.skipped_total = 0
         self._signal_code: dict[str, int] = {}
-        self._flags = torch.zeros(info.world_size + 2, device=info.device)
+        self._flags = torch.zeros(info.world_size + 3, device=info.device)
 
     def agree(
         self,
@@ -131,6 +134,7 @@ class StepGuard:
         grad_norm: torch.Tensor,
         stop_signal: str | None,
         step: int,
+        writing: bool = False,
     ) -> Verdict:
         world = self.info.world_size
         flags = self._flags
@@ -140,6 +144,8 @@ class StepGuard:
             flags[world] = (~torch.isfinite(grad_norm)).float()
         if stop_signal is not None:
             flags[world + 1] = 1.0
+        if writing:
+            flags[world + 2] = 1.0
         values = distributed.all_reduce_sum(flags).tolist()
         nonfinite_ranks = tuple(rank for rank in range(world) if values[rank] > 0)
         skip = bool(nonfinite_ranks) or values[world] > 0
@@ -167,7 +173,7 @@ class StepGuard:
                 )
         else:
             self.consecutive = 0
-        return Verdict(skip=skip, stop=stop, nonfinite_ranks=nonfinite_ranks)
+        return Verdict(skip, stop, nonfinite_ranks, writes_done=values[world + 2] == 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -266,7 +266,11 @@ class Trainer:
             # One small all-reduce: skip the step if any rank's loss or gradient is not
             # finite, stop after it if any rank received a preemption signal.
             verdict = self.guard.agree(
-                stats.loss_sum, stats.grad_norm, self.stop_reason(), self.position.step + 1
+                stats.loss_sum,
+                stats.grad_norm,
+                self.stop_reason(),
+                self.position.step + 1,
+                writing=self.checkpoints.writing(),
             )
             timer.agreed(stats, verdict.skip)
             engine.apply_update(self.optimizer, self.scaler, skip=verdict.skip)
@@ -277,6 +281,8 @@ class Trainer:
             self.scheduler.step()
             self.position.step += 1
             self.position.samples_in_epoch += self.samples_per_step
+            if self.checkpoints.pending is not None and verdict.writes_done:
+                self.checkpoints.settle()  # every writer is done: the manifest, now
         return verdict
 
     # -- the parts of the story ----------------------------------------------------------------

@@ -86,12 +86,17 @@ class CheckpointManager:
         self.classes = list(classes) if classes is not None else None  # label -> class name
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
         self.directory = storage.checkpoint_dir(cfg.run.dir)
-        # ckpt.async_save: rank 0's writer process (started now, to be ready for the first save)
-        self.saver = writer.ProcessSaver() if cfg.ckpt.async_save and info.is_main else None
         # Sharded: every rank writes its own piece of each tensor (storage.save_sharded).
         self.sharded = cfg.ckpt.format == "sharded" or (
             cfg.ckpt.format == "auto" and parallel.shards(cfg.dist.strategy)
         )
+        # ckpt.async_save: the writer process of each rank that writes (rank 0; every rank
+        # for sharded checkpoints), started now to be ready for the first save.
+        writes = info.is_main or self.sharded
+        self.saver = writer.ProcessSaver() if cfg.ckpt.async_save and writes else None
+        # A sharded checkpoint handed to the writers, not yet vouched for by its manifest
+        # (written once every rank's writer is done: `settle`), and its accuracy.
+        self.pending: tuple[storage.ShardedSave, float | None] | None = None
         self.parts: dict[str, Stateful] = {}
         # Parts a setting turns on: name -> (setting, how the part starts when a checkpoint
         # written without it is resumed).
@@ -137,7 +142,7 @@ class CheckpointManager:
         epoch): the resumed run evaluates first, exactly as this one would have.
         """
         if self.sharded:
-            self._save_sharded(step, accuracy, pending_eval)
+            self._save_sharded(step, accuracy, pending_eval, wait)
             return
         states = {name: part.state_dict() for name, part in self.parts.items()}
 
@@ -154,24 +159,76 @@ class CheckpointManager:
 
         distributed.run_on_main(self.info, f"saving the step {step} checkpoint", write)
 
-    def _save_sharded(self, step: int, accuracy: float | None, pending_eval: bool) -> None:
+    def _save_sharded(
+        self, step: int, accuracy: float | None, pending_eval: bool, wait: bool
+    ) -> None:
         """Collective: every rank writes its pieces of the parts (a part's
-        `sharded_state_dict`, where it has one, keeps its DTensor shards as they are)."""
+        `sharded_state_dict`, where it has one, keeps its DTensor shards as they are). With
+        ckpt.async_save each rank's writer process writes them, and the manifest follows at
+        the first step every writer has finished (`settle`)."""
+        self.settle()  # the previous one first: never two in flight
         states = {
             name: getattr(part, "sharded_state_dict", part.state_dict)()
             for name, part in self.parts.items()
         }
         state = {**states, **self._meta(step, accuracy, pending_eval)}
-        storage.save_sharded(
-            state,
-            self.directory,
-            step,
-            self.cfg.ckpt.keep,
-            accuracy,
-            self.info.rank,
-            gather=distributed.all_gather_object,
-            agree=lambda error, what: distributed.raise_if_any_failed(self.info, error, what),
-            check=self.lease.check if self.lease is not None else None,
+        rank, gather, agree, check = self._collectives()
+        if self.saver is None:
+            storage.save_sharded(
+                state,
+                self.directory,
+                step,
+                self.cfg.ckpt.keep,
+                accuracy,
+                rank,
+                gather,
+                agree,
+                check,
+            )
+            return
+        plan = storage.prepare_sharded(state, self.directory, step, rank, gather, agree, check)
+        error: BaseException | None = None
+        try:
+            self.saver.write_sharded(plan)  # returns once the pieces are copied
+        except Exception as err:
+            error = err
+        agree(error, f"handing the step {step} checkpoint to the writers")
+        self.pending = (plan, accuracy)
+        if wait:
+            self.settle()
+
+    def _collectives(
+        self,
+    ) -> tuple[int, Callable[[Any], list[Any]], Callable[[BaseException | None, str], None], Any]:
+        def agree(error: BaseException | None, what: str) -> None:
+            distributed.raise_if_any_failed(self.info, error, what)
+
+        check = self.lease.check if self.lease is not None else None
+        return self.info.rank, distributed.all_gather_object, agree, check
+
+    def writing(self) -> bool:
+        """Whether this rank's writer is still writing a sharded checkpoint (never blocks)."""
+        return self.pending is not None and self.saver is not None and self.saver.busy()
+
+    def settle(self) -> None:
+        """Collective: finish the sharded checkpoint in flight, if any: wait for this rank's
+        writer, then rank 0 writes the manifest once every rank's files are durable (or
+        every rank raises the error of one). The training loop calls it at the first step
+        where no rank is `writing`, so it does not wait then."""
+        if self.pending is None:
+            return
+        plan, accuracy = self.pending
+        self.pending = None
+        written: dict[str, Any] = {}
+        error: BaseException | None = None
+        try:
+            assert self.saver is not None
+            written = self.saver.wait()
+        except Exception as err:
+            error = err
+        rank, gather, agree, check = self._collectives()
+        storage.finish_sharded(
+            plan, written, error, self.cfg.ckpt.keep, accuracy, rank, gather, agree, check
         )
 
     def _meta(self, step: int, accuracy: float | None, pending_eval: bool) -> dict[str, Any]:
@@ -193,7 +250,9 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Collective: wait for a background write; raise everywhere if it failed."""
-        if self.saver is not None:
+        if self.sharded:
+            self.settle()
+        elif self.saver is not None:
             distributed.run_on_main(self.info, "finishing the last checkpoint", self.saver.wait)
 
     def close(self) -> None:

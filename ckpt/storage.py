@@ -29,6 +29,7 @@ import re
 import shutil
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -435,15 +436,17 @@ def _newest_usable(directory: Path, device: torch.device) -> tuple[Path, dict[st
 #   since the step began), and a checkpoint holds rank 0's, as a single-file one does.
 
 
-def _flatten(state: Any) -> tuple[Any, list[tuple[str, Any]]]:
-    """(skeleton, leaves): `state` with each tensor replaced by {"__tensor__": its index in
-    leaves}, and the leaves as (name, tensor), the name its path of keys."""
+def _flatten(state: Any, marker: str = "__tensor__") -> tuple[Any, list[tuple[str, Any]]]:
+    """(skeleton, leaves): `state` with each tensor replaced by {marker: its index in
+    leaves}, and the leaves as (name, tensor), the name its path of keys. A state that holds
+    skeletons itself (a sharded checkpoint's meta, on its way to a writer process) is
+    flattened with another marker."""
     leaves: list[tuple[str, Any]] = []
 
     def walk(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
             leaves.append((where, value))
-            return {"__tensor__": len(leaves) - 1}
+            return {marker: len(leaves) - 1}
         if isinstance(value, dict):
             return {key: walk(item, f"{where}/{key}") for key, item in value.items()}
         if isinstance(value, list | tuple):
@@ -455,17 +458,17 @@ def _flatten(state: Any) -> tuple[Any, list[tuple[str, Any]]]:
     return walk(state, ""), leaves
 
 
-_PLAIN = (int, float, bool, str, type(None))
-
-
-def _unflatten(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
+def _unflatten(skeleton: Any, tensors: dict[int, torch.Tensor], marker: str = "__tensor__") -> Any:
     if isinstance(skeleton, dict):
-        if skeleton.keys() == {"__tensor__"}:
-            return tensors[int(skeleton["__tensor__"])]
-        return {key: _unflatten(item, tensors) for key, item in skeleton.items()}
+        if skeleton.keys() == {marker}:
+            return tensors[int(skeleton[marker])]
+        return {key: _unflatten(item, tensors, marker) for key, item in skeleton.items()}
     if isinstance(skeleton, list | tuple):
-        return type(skeleton)(_unflatten(item, tensors) for item in skeleton)
+        return type(skeleton)(_unflatten(item, tensors, marker) for item in skeleton)
     return skeleton
+
+
+_PLAIN = (int, float, bool, str, type(None))
 
 
 def _own_rows(value: Any) -> tuple[int, int, bool] | None:
@@ -544,6 +547,16 @@ def _write_pieces(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": size, "crc32": crc}
 
 
+@dataclass
+class ShardedSave:
+    """A sharded checkpoint between `prepare_sharded` and `finish_sharded`: where it goes and
+    what this rank writes (`files`: {label: (path, payload)}; rank 0's include meta.pt)."""
+
+    folder: Path
+    step: int
+    files: dict[str, tuple[Path, dict[str, Any]]]
+
+
 def save_sharded(
     state: dict[str, Any],
     directory: Path,
@@ -564,11 +577,36 @@ def save_sharded(
     written (the lease). Each save's files carry a token of their own: a re-save of a step
     (a resumed run preempted where it started) writes beside the files its manifest vouches
     for, and the new manifest replaces the old one in one rename; only then do the old files
-    go."""
+    go. ckpt.async_save runs the middle part (`write_sharded`) in a writer process."""
+    plan = prepare_sharded(state, directory, step, rank, gather, agree, check)
+    written: dict[str, Any] = {}
+    error: BaseException | None = None
+    try:
+        written = write_sharded(plan)
+    except Exception as err:
+        error = err
+    return finish_sharded(plan, written, error, keep, accuracy, rank, gather, agree, check)
+
+
+def prepare_sharded(
+    state: dict[str, Any],
+    directory: Path,
+    step: int,
+    rank: int,
+    gather: Callable[[Any], list[Any]],
+    agree: Callable[[BaseException | None, str], None],
+    check: Callable[[], None] | None = None,
+) -> ShardedSave:
+    """Collective: who writes which rows (see above), the finite check of the model, the
+    folder (rank 0, after `check`), and rank 0's meta.pt: every tensor's shape, dtype and
+    pieces. The payloads hold the live tensors (their local shards): write them, or copy
+    them, before training changes them."""
     skeleton, leaves = _flatten(state)
     folder = directory / f"step_{step}"
     token = gather(os.urandom(4).hex() if rank == 0 else None)[0]
     error: BaseException | None = None
+    mine: dict[str, tuple[torch.Tensor, int, int]] = {}
+    every: list[dict[str, Any]] = []
     try:
         mine, every = _pieces(leaves, rank, gather)
         model = {name: piece for name, (piece, _, _) in mine.items() if name.startswith("/model/")}
@@ -582,46 +620,73 @@ def save_sharded(
     except Exception as err:
         error = err
     agree(error, f"preparing the step {step} checkpoint")
-    written: dict[str, Any] = {}
-    try:
-        pieces = {name: piece.detach().cpu().contiguous() for name, (piece, _, _) in mine.items()}
-        rows = {name: [start, stop] for name, (_, start, stop) in mine.items()}
-        mine_file = folder / f"rank_{rank}.{token}.pt"
-        written = _write_pieces(mine_file, {"tensors": pieces, "rows": rows})
-        written["file"] = mine_file.name
-        written["rows"] = rows
-    except Exception as err:
-        error = err
-    agree(error, f"writing the step {step} checkpoint's shards")
-    files = gather(written)
+    rows = {name: [start, stop] for name, (_, start, stop) in mine.items()}
+    mine_file = folder / f"rank_{rank}.{token}.pt"
+    files = {
+        "mine": (mine_file, {"tensors": {n: p for n, (p, _, _) in mine.items()}, "rows": rows})
+    }
+    everyone = gather((mine_file.name, rows))
+    if rank == 0:
+        table = {}
+        for index, (name, _) in enumerate(leaves):
+            shape, dtype, _ = next(seen[name] for seen in every if name in seen)
+            pieces_of = [[file, name, *held[name]] for file, held in everyone if name in held]
+            table[index] = {"shape": shape, "dtype": dtype, "pieces": pieces_of}
+        files["meta"] = (folder / f"meta.{token}.pt", {"skeleton": skeleton, "tensors": table})
+    return ShardedSave(folder, step, files)
+
+
+def write_sharded(plan: ShardedSave) -> dict[str, Any]:
+    """This rank's files of `plan`, fsynced and renamed into place: {file name: {"bytes",
+    "crc32"}}. No collective: a writer process runs it as well."""
+    written = {}
+    for path, payload in plan.files.values():
+        host = {**payload}
+        if "rows" in payload:  # the pieces, in host memory, each a tensor of its own
+            host["tensors"] = {
+                n: t.detach().cpu().contiguous() for n, t in payload["tensors"].items()
+            }
+        written[path.name] = _write_pieces(path, host)
+    return written
+
+
+def finish_sharded(
+    plan: ShardedSave,
+    written: dict[str, Any],
+    error: BaseException | None,
+    keep: int,
+    accuracy: float | None,
+    rank: int,
+    gather: Callable[[Any], list[Any]],
+    agree: Callable[[BaseException | None, str], None],
+    check: Callable[[], None] | None = None,
+) -> Path:
+    """Collective, once every rank wrote its files (`written`) or failed (`error`): rank 0
+    fsyncs the folder and writes the manifest last, removes a re-save's predecessor's files,
+    then best.json and pruning."""
+    agree(error, f"writing the step {plan.step} checkpoint's shards")
+    listed: dict[str, Any] = {}
+    for files in gather(written):
+        listed.update(files)
+    folder, directory = plan.folder, plan.folder.parent
     if rank == 0:
         try:
-            table = {}
-            for index, (name, _) in enumerate(leaves):
-                shape, dtype, _ = next(seen[name] for seen in every if name in seen)
-                pieces_of = []
-                for w in files:
-                    if name in w["rows"]:
-                        pieces_of.append([w["file"], name, *w["rows"][name]])
-                table[index] = {"shape": shape, "dtype": dtype, "pieces": pieces_of}
-            listed = {w["file"]: {"bytes": w["bytes"], "crc32": w["crc32"]} for w in files}
-            meta_file = f"meta.{token}.pt"
-            listed[meta_file] = _write_pieces(
-                folder / meta_file, {"skeleton": skeleton, "tensors": table}
-            )
+            if check is not None:
+                check()  # the lease again: a write that took long may have lost it
+            meta = plan.files["meta"][0].name
             _fsync_dir(folder)
-            manifest = {"format": SHARDED, "step": step, "meta": meta_file, "files": listed}
+            manifest = {"format": SHARDED, "step": plan.step, "meta": meta, "files": listed}
             payload = (json.dumps(manifest) + "\n").encode()
             atomic_write_bytes(manifest_path(folder), lambda f: f.write(payload))
             for stale in folder.iterdir():  # a re-save's predecessor, vouched for no longer
                 if stale.name not in listed:
                     stale.unlink(missing_ok=True)
-            _finish(directory, step, keep, accuracy)
+            _finish(directory, plan.step, keep, accuracy)
             total = sum(entry["bytes"] for entry in listed.values())
             log.info("saved sharded checkpoint %s (%d files, %d bytes)", folder, len(listed), total)
         except Exception as err:
             error = err
-    agree(error, f"finishing the step {step} checkpoint")
+    agree(error, f"finishing the step {plan.step} checkpoint")
     return folder
 
 

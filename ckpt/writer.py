@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 
+import exitcodes
 from ckpt import storage
 
 log = logging.getLogger(__name__)
@@ -59,11 +61,15 @@ log = logging.getLogger(__name__)
 # sys.path.
 child_setup: str | None = None
 
-_IGNORED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+# What a cluster sends every process of a job to stop it (loader workers ignore the same set)
+_IGNORED_SIGNALS = exitcodes.LOADER_IGNORED_SIGNALS
 _PR_SET_PDEATHSIG = 1
 _FDS_PER_MESSAGE = 250  # the kernel's SCM_MAX_FD is 253
 _HEADER = struct.Struct("!QI")  # payload bytes, descriptors
 _REPO = Path(__file__).resolve().parents[1]
+# Where a shared buffer goes in a message: not storage's own "__tensor__", which a sharded
+# checkpoint's meta holds as data
+_MARKER = "__shared_buffer__"
 
 
 class WriterDied(RuntimeError):
@@ -94,7 +100,7 @@ class ProcessSaver:
         # while the writer imports torch stays pending, and the writer discards it once it
         # ignores these signals. This thread only: the training process's other threads still
         # take such a signal, and one pending here is delivered when the mask is restored.
-        ignored = {getattr(signal, name) for name in _IGNORED_SIGNALS}
+        ignored = set(_IGNORED_SIGNALS)
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, ignored)
         try:
             self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),))
@@ -117,9 +123,26 @@ class ProcessSaver:
         keep: int,
         accuracy: float | None,
     ) -> None:
-        """Copy `state`'s tensors to the writer's buffers and hand the write over."""
+        """Copy `state`'s tensors to the writer's buffers and hand `storage.save` over."""
+        self._hand_over(state, ("save", str(directory), step, keep, accuracy), step)
+
+    def write_sharded(self, plan: storage.ShardedSave) -> None:
+        """Copy this rank's pieces of a sharded checkpoint to the buffers and hand their
+        files over (`storage.write_sharded`); `wait()` returns what was written."""
+        payloads = {label: payload for label, (_, payload) in plan.files.items()}
+        paths = {label: str(path) for label, (path, _) in plan.files.items()}
+        self._hand_over(payloads, ("sharded", str(plan.folder), plan.step, paths), plan.step)
+
+    def busy(self) -> bool:
+        """Whether the write in flight has not answered yet (never blocks)."""
+        if self._in_flight is None:
+            return False
+        readable, _, _ = select.select([self._socket], [], [], 0)
+        return not readable
+
+    def _hand_over(self, state: dict[str, Any], job: tuple[Any, ...], step: int) -> None:
         self.wait()
-        skeleton, leaves = storage._flatten(state)
+        skeleton, leaves = storage._flatten(state, _MARKER)
         names: list[str] = []
         layouts: list[tuple[str, str, list[int], list[int], int]] = []
         fds: list[int] = []
@@ -138,9 +161,8 @@ class ProcessSaver:
                 kept[name] = buffer
                 names.append(name)
             self._buffers = kept
-            message = (skeleton, names, layouts, str(directory), step, keep, accuracy)
             try:
-                _send(self._socket, message, fds)
+                _send(self._socket, (skeleton, names, layouts, job), fds)
             except OSError as err:
                 raise self._died(step) from err
         finally:
@@ -148,10 +170,12 @@ class ProcessSaver:
                 os.close(fd)
         self._in_flight = (step, time.monotonic())
 
-    def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; raise its error if it failed."""
+    def wait(self) -> Any:
+        """Block until the write in flight (if any) is on disk and return what it reported
+        (a checkpoint's path; a sharded one's {file: {"bytes", "crc32"}}); raise its error if
+        it failed."""
         if self._in_flight is None:
-            return
+            return None
         step, handed = self._in_flight
         self._in_flight = None
         try:
@@ -161,10 +185,12 @@ class ProcessSaver:
         if outcome == "error":
             raise detail
         log.info(
-            "saved checkpoint %s in the background (%.2f s after it was handed over)",
-            detail,
+            "wrote the step %d checkpoint%s in the background (%.2f s after it was handed over)",
+            step,
+            f" {detail}" if isinstance(detail, str) else "'s shards",
             time.monotonic() - handed,
         )
+        return detail
 
     def close(self) -> None:
         """Finish the write in flight, then stop the writer process (idempotent)."""
@@ -302,7 +328,7 @@ def _portable(err: BaseException) -> BaseException:
 
 def _main() -> None:
     """The writer process: `python -c ... FD PARENT_PID SYS_PATH SETUP`."""
-    ignored = {getattr(signal, name) for name in _IGNORED_SIGNALS}
+    ignored = set(_IGNORED_SIGNALS)
     for signum in ignored:
         signal.signal(signum, signal.SIG_IGN)  # discards what arrived while blocked
     signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
@@ -325,16 +351,24 @@ def _serve(sock: socket.socket) -> None:
             message, fds = _receive(sock)
         except (EOFError, OSError):
             return  # the training process closed the socket, or is gone
-        skeleton, names, layouts, directory, step, keep, accuracy = message
+        skeleton, names, layouts, job = message
         for layout, fd in zip(layouts, fds, strict=True):
             buffers[layout[0]] = _mapped(fd, layout)
             os.close(fd)
         buffers = {name: buffers[name] for name in names}
         try:
             tensors = {index: buffers[name] for index, name in enumerate(names)}
-            state = storage._unflatten(skeleton, tensors)
-            path = storage.save(state, Path(directory), step, keep, accuracy)
-            reply: Any = ("ok", str(path))
+            state = storage._unflatten(skeleton, tensors, _MARKER)
+            reply: Any = ("ok", _run(job, state))
         except BaseException as err:  # reported to the training process, which decides
             reply = ("error", _portable(err))
         _send(sock, reply, [])
+
+
+def _run(job: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    if job[0] == "save":
+        _, directory, step, keep, accuracy = job
+        return str(storage.save(state, Path(directory), step, keep, accuracy))
+    _, folder, step, paths = job
+    files = {label: (Path(paths[label]), payload) for label, payload in state.items()}
+    return storage.write_sharded(storage.ShardedSave(Path(folder), step, files))

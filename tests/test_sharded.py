@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import REPO, run_ranks
 
-from ckpt import storage
+from ckpt import storage, writer
 
 CPU = torch.device("cpu")
 
@@ -43,6 +43,37 @@ def a_state(step: int, value: float) -> dict:
         "step": step,
         "config": {"optim": {"name": "sgd"}},
     }
+
+
+def test_a_writer_process_writes_the_same_sharded_checkpoint(tmp_path) -> None:
+    """ckpt.async_save's path: the pieces and meta.pt handed to a writer process, the
+    manifest after it. What loads equals the state as it was when handed over (the tensors
+    change right after), and the synchronous save of the same state (meta.pt holds tensor
+    placeholders of its own: the writer's transport must not replace them)."""
+    state = a_state(4, 2.5)
+    expected = {key: value.clone() for key, value in state["model"].items()}
+    plan = storage.prepare_sharded(state, tmp_path / "async", 4, 0, lambda obj: [obj], alone)
+    saver = writer.ProcessSaver()
+    try:
+        saver.write_sharded(plan)
+        state["model"]["w"].add_(1.0)  # training goes on
+        written = saver.wait()
+    finally:
+        saver.close()
+    storage.finish_sharded(plan, written, None, 5, None, 0, lambda obj: [obj], alone)
+    got = storage.load(tmp_path / "async" / "step_4", CPU)
+    for key, value in expected.items():
+        assert torch.equal(got["model"][key], value), key
+    assert got["optimizer"]["state"][0]["step"].item() == 3.0
+    state["model"]["w"].sub_(1.0)
+    sync = save_alone(state, tmp_path / "sync", 4)
+
+    def meta(folder: Path) -> dict:
+        manifest = json.loads(storage.manifest_path(folder).read_text())
+        return torch.load(folder / manifest["meta"], weights_only=True)
+
+    # The same skeleton: placeholders, not tensors (the writer's transport replaced them)
+    assert meta(tmp_path / "async" / "step_4")["skeleton"] == meta(sync)["skeleton"]
 
 
 def test_a_sharded_checkpoint_round_trips_whole(tmp_path) -> None:

@@ -22,6 +22,7 @@ from helpers import REPO, final_state, launch, rows, run_ranks
 from torch import nn
 
 import exitcodes
+from ckpt import storage
 from config import ConfigError, DistConfig, OptimConfig, parse_args
 
 # Group norm: BatchNorm's batch statistics are per rank, so 2 ranks x 16 samples is not the
@@ -219,8 +220,6 @@ def test_accumulation_reduce_scatters_once_per_step_and_equals_the_big_batch(tmp
         (["--dist.strategy=fsdp", "--dist.bucket_cap_mb=50"], "dist.bucket_cap_mb"),
         (["--dist.strategy=zero", "--dist.fsdp_units=BasicBlock"], "dist.fsdp_units"),
         (["--dist.reshard_after_forward=false"], "dist.reshard_after_forward"),
-        (["--dist.strategy=fsdp", "--ckpt.async_save=true"], "ckpt.async_save=true"),
-        (["--ckpt.format=sharded", "--ckpt.async_save=true"], "ckpt.format=sharded"),
     ],
 )
 def test_settings_a_strategy_cannot_honour_are_refused_by_name(args, named) -> None:
@@ -271,6 +270,41 @@ def test_fused_sgd_on_fsdp_shards_steps_with_foreach(tmp_path) -> None:
     AdamW only), so the optimizer runs foreach there instead of failing at the first step."""
     losses = run_ranks(_fused_sgd_step, 2, tmp_path)
     assert all(math.isfinite(loss) for loss in losses)
+
+
+@pytest.mark.e2e
+def test_async_sharded_checkpoints_survive_a_preemption_and_killed_writers(tmp_path) -> None:
+    """ckpt.async_save under fsdp: each rank's writer process writes its shard, and rank 0
+    writes the manifest at the first step where no writer is busy. Preempted at step 8 (the
+    checkpoints of steps 5 and 8 complete); the next attempt's writers are SIGKILLed while
+    writing step 10: every rank reports the dead writer and the attempt fails; the third
+    skips the manifest-less step 10, resumes from 8 and ends bit for bit where a synchronous,
+    never-interrupted fsdp run ends."""
+    batchnorm = [a for a in ARGS if a != "--model.norm=group"]
+    every = "--ckpt.every_steps=5"
+    full, run_dir = tmp_path / "full", tmp_path / "run"
+    train(full, 2, "fsdp", every, base=batchnorm)
+    args = (f"--run.dir={run_dir}", "--dist.strategy=fsdp", *batchnorm, every)
+    args = (*args, "--ckpt.async_save=true")
+    first = launch(2, *args, faults="sigterm@step=7")
+    assert "checkpoint written, exiting with code 75" in first.output, first.output[-3000:]
+    assert "wrote the step 5 checkpoint's shards in the background" in first.output
+    for step in (5, 8):
+        storage.verify_sharded(run_dir / "checkpoints" / f"step_{step}")
+    second = launch(2, *args, faults="sigkill@save=written")
+    assert second.returncode != 0
+    assert "checkpoint writer process (killed by SIGKILL)" in second.output
+    dead = run_dir / "checkpoints" / "step_10"
+    assert dead.is_dir() and not (run_dir / "checkpoints" / "step_10.manifest.json").exists()
+    third = launch(2, *args)
+    assert third.returncode == 0, third.output[-3000:]
+    assert f"skipping unusable checkpoint: checkpoint {dead} has no manifest" in third.output
+    a, b = final_state(full), final_state(run_dir)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for index, entry in a["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
 
 
 @pytest.mark.e2e
