@@ -204,6 +204,32 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_same_command_resum
     assert_same_as(run_dir, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # CI runs fsdp under torchrun, launch_multinode.sh (hybrid) and Slurm
+def test_fsdp_under_ray_trains_as_under_torchrun(tmp_path: Path) -> None:
+    """dist.strategy=fsdp through ray_train.py, sharded checkpoints written asynchronously by
+    each rank's writer process: the run ends torch.equal to the same job under torchrun, with
+    complete sharded checkpoints."""
+    job = [a for a in JOB if not a.startswith("--train.epochs")]
+    job += ["--train.epochs=1", "--dist.strategy=fsdp", "--ckpt.async_save=true"]
+    torchrun = tmp_path / "torchrun"
+    result = launch(2, f"--run.dir={torchrun}", *job)
+    assert result.returncode == 0, result.output[-3000:]
+    run_dir = tmp_path / "ray"
+    proc = subprocess.run(
+        ray_command(f"--run.dir={run_dir}", *job),
+        cwd=REPO,
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert_same_training_state(final_state(run_dir), final_state(torchrun))
+    folders = sorted((run_dir / "checkpoints").glob("step_*.manifest.json"))
+    assert folders and all(p.with_name(p.name.split(".")[0]).is_dir() for p in folders)
+
+
 def test_a_bad_command_line_exits_2_before_ray_starts(tmp_path: Path) -> None:
     result = subprocess.run(
         ray_command(f"--run.dir={tmp_path / 'run'}", *JOB, "--train.epochs=many"),
