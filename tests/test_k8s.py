@@ -1146,3 +1146,37 @@ def test_trainjob_uses_the_runtime_and_a_run_dir_of_its_own() -> None:
     assert trainer["numProcPerNode"] == int(trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"])
     name = job["metadata"]["name"]
     assert [a for a in trainer["args"] if a.startswith("--run.dir=")] == [f"--run.dir=/runs/{name}"]
+
+
+@pytest.mark.parametrize("name", ["pytorchjob.yaml", "jobset.yaml", "trainjob.yaml"])
+def test_each_manifest_trains_fsdp_by_one_more_argument(name) -> None:
+    """The line each manifest documents (a commented `- --dist.strategy=fsdp` under the run's
+    arguments) turns it into an fsdp job with sharded checkpoints: the arguments with it
+    uncommented pass train.py's config as they are."""
+    from config import parse_args
+
+    text = (K8S / name).read_text()
+    assert text.count("# - --dist.strategy=fsdp") == 1
+    docs = manifest(name)
+    if "TrainJob" in docs:
+        args = docs["TrainJob"]["spec"]["trainer"]["args"]
+    else:
+        command = next(
+            c["command"]
+            for doc in docs.values()
+            for c in _all_containers(doc)
+            if "train.py" in c.get("command", [])
+        )
+        args = command[command.index("train.py") + 1 :]
+    cfg = parse_args([*args, "--dist.strategy=fsdp"])
+    assert cfg.dist.strategy == "fsdp" and cfg.ckpt.format == "auto"
+
+
+def _all_containers(value: Any) -> list[dict]:
+    """Every dict with a `command` anywhere in a manifest document."""
+    if isinstance(value, dict):
+        found = [value] if "command" in value else []
+        return found + [c for item in value.values() for c in _all_containers(item)]
+    if isinstance(value, list):
+        return [c for item in value for c in _all_containers(item)]
+    return []

@@ -186,6 +186,28 @@ def test_signal_checkpoints_requeues_and_ends_exact(cluster, reference, tmp_path
     assert_ends_like(tmp_path / "run", reference, EPOCHS)
 
 
+def test_an_fsdp_job_preempted_by_slurm_resumes_exactly(cluster, tmp_path) -> None:
+    """dist.strategy=fsdp across the two nodes, one epoch: Slurm's USR2 to the batch shell,
+    forwarded to every process; each rank writes its shard of the preemption checkpoint, the
+    job requeues, resumes from the sharded checkpoint and ends torch.equal to the same fsdp
+    job never interrupted, every sample seen once."""
+    job = [*[a for a in JOB if not a.startswith("--train.epochs")], "--train.epochs=1"]
+    job += ["--dist.strategy=fsdp"]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    ended = run_to_end(cluster, submit(cluster, reference, job), reference)
+    assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0")
+    job_id = submit(cluster, tmp_path, job)
+    wait_for_training(tmp_path / "run", min_step=8)
+    cluster.ctl("scancel", "--signal=USR2", "--batch", str(job_id))
+    ended = run_to_end(cluster, job_id, tmp_path)
+    log = (tmp_path / "job.out").read_text()
+    assert (ended["JobState"], ended["ExitCode"], ended["Restarts"]) == ("COMPLETED", "0:0", "1")
+    assert "preempted by SIG" in log and "resuming from" in log, log[-4000:]
+    assert "saved sharded checkpoint" in log and "dist.strategy=fsdp: mesh (2,)" in log
+    assert_ends_like(tmp_path / "run", reference / "run", 1)
+
+
 def test_scancel_then_resubmit_ends_exact(cluster, reference, tmp_path) -> None:
     """A plain scancel ends the job for good (CANCELLED: SIGTERM to every process, the workers
     checkpoint); the user submits again with the same RUN_DIR, which resumes."""
