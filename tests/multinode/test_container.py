@@ -25,6 +25,7 @@ import torch
 from cluster import JOB as SYNTHETIC_JOB
 from cluster import REPO, netns_cluster
 from conftest import BUILD_TIMES
+from helpers import final_state
 
 CAN_BUILD = (
     os.geteuid() == 0
@@ -238,6 +239,30 @@ def test_default_command_trains_the_default_job_read_only_as_a_non_root_user(
     assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
     assert "train.epochs" in bad.stderr and "many" in bad.stderr
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+@pytest.mark.extended  # CI runs fsdp under torchrun, launch_multinode.sh (hybrid) and Slurm
+def test_fsdp_with_async_sharded_checkpoints_runs_in_the_read_only_image(
+    image: str, tmp_path: Path
+) -> None:
+    """The image (read-only, uid 1000, /tmp the only tmpfs) trains with dist.strategy=fsdp and
+    ckpt.async_save: each rank's writer process maps its buffers from memfds, which need no
+    writable path; the sharded checkpoint holds what the same job holds outside the image."""
+    job = [*SYNTHETIC_JOB, "--train.max_steps=6", "--ckpt.every_steps=3"]
+    job += ["--dist.strategy=fsdp", "--ckpt.async_save=true", "--run.dir=/runs/fsdp"]
+    runs = tmp_path / "runs"
+    result = subprocess.run(
+        [*run_prefix(runs), image, *job], capture_output=True, text=True, timeout=300
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "wrote the step 3 checkpoint's shards in the background" in out
+    reference = tmp_path / "host"
+    host_run(reference, *[a for a in job if not a.startswith("--run.dir")])
+    got, want = final_state(runs / "fsdp"), final_state(reference)
+    assert got["step"] == want["step"] == 6
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value), key
 
 
 def test_sigterm_to_the_container_checkpoints_and_the_next_container_resumes_exactly(
