@@ -236,6 +236,9 @@ class Trainer:
                 # A signal during the epoch's last step or an earlier evaluation: checkpoint
                 # now (owing this evaluation) rather than after a long evaluation and save.
                 self.stop_if(self.stop_requested())
+                # A sharded checkpoint still being written gets its manifest before the
+                # evaluation, not after it (a failure there would lose it).
+                self.checkpoints.settle()
                 result = self.evaluate()
                 if self.steps_left_in_epoch() == 0:
                     self.start_epoch(self.position.epoch + 1)
@@ -265,13 +268,17 @@ class Trainer:
             )
             # One small all-reduce: skip the step if any rank's loss or gradient is not
             # finite, stop after it if any rank received a preemption signal.
-            verdict = self.guard.agree(
-                stats.loss_sum,
-                stats.grad_norm,
-                self.stop_reason(),
-                self.position.step + 1,
-                writing=self.checkpoints.writing(),
-            )
+            try:
+                verdict = self.guard.agree(
+                    stats.loss_sum,
+                    stats.grad_norm,
+                    self.stop_reason(),
+                    self.position.step + 1,
+                    writing=self.checkpoints.writing(),
+                )
+            except resilience.DivergedError:  # raised on every rank alike: a collective is
+                self.checkpoints.settle()  # safe, and keeps the checkpoint to resume from
+                raise
             timer.agreed(stats, verdict.skip)
             engine.apply_update(self.optimizer, self.scaler, skip=verdict.skip)
             if verdict.skip:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +94,16 @@ class CheckpointManager:
         # ckpt.async_save: the writer process of each rank that writes (rank 0; every rank
         # for sharded checkpoints), started now to be ready for the first save.
         writes = info.is_main or self.sharded
-        self.saver = writer.ProcessSaver() if cfg.ckpt.async_save and writes else None
+        self.saver: writer.ProcessSaver | None = None
+        if cfg.ckpt.async_save:  # the same on every rank: the agreement below is collective
+            stops = [name for name in cfg.run.preempt_signals if name.startswith("SIG")]
+            error: Exception | None = None
+            try:
+                if writes:
+                    self.saver = writer.ProcessSaver(tuple(getattr(signal, n) for n in stops))
+            except Exception as err:  # on this rank only: every rank must learn of it
+                error = err
+            distributed.raise_if_any_failed(info, error, "starting the checkpoint writer")
         # A sharded checkpoint handed to the writers, not yet vouched for by its manifest
         # (written once every rank's writer is done: `settle`), and its accuracy.
         self.pending: tuple[storage.ShardedSave, float | None] | None = None

@@ -257,11 +257,18 @@ def _prune(directory: Path, keep: int, saved_step: int, best_step: int | None) -
     """Delete all but the newest `keep` checkpoints up to `saved_step`, and the best one.
 
     Checkpoints of later steps (unloadable ones that a resume skipped) are left alone; the one
-    just written is always kept. A checkpoint's .pt goes before its manifest, so a kill in
-    between leaves an incomplete checkpoint (skipped), never a manifest that vouches for nothing.
+    just written is always kept; older ones without a manifest (their save was killed) go. A
+    checkpoint's .pt goes before its manifest, so a kill in between leaves an incomplete
+    checkpoint (skipped), never a manifest that vouches for nothing.
     """
     older = [(step, path) for step, path in list_checkpoints(directory) if step <= saved_step]
-    for step, path in older[:-keep]:
+    complete = []
+    for step, path in older:
+        if manifest_path(path).exists() or step == saved_step:
+            complete.append((step, path))
+        else:  # its save was killed before the manifest: it can never load, and must not
+            remove(path)  # take the place of a good checkpoint among the `keep` newest
+    for step, path in complete[:-keep]:
         if step not in (best_step, saved_step):
             remove(path)
             manifest_path(path).unlink(missing_ok=True)
@@ -664,6 +671,11 @@ def finish_sharded(
     """Collective, once every rank wrote its files (`written`) or failed (`error`): rank 0
     fsyncs the folder and writes the manifest last, removes a re-save's predecessor's files,
     then best.json and pruning."""
+    if rank == 0 and check is not None:
+        try:
+            check()  # the lease again: a long write may have lost it (and been disturbed by
+        except Exception as err:  # the new holder: that is the cause to report)
+            error = err
     agree(error, f"writing the step {plan.step} checkpoint's shards")
     listed: dict[str, Any] = {}
     for files in gather(written):
@@ -671,8 +683,6 @@ def finish_sharded(
     folder, directory = plan.folder, plan.folder.parent
     if rank == 0:
         try:
-            if check is not None:
-                check()  # the lease again: a write that took long may have lost it
             meta = plan.files["meta"][0].name
             _fsync_dir(folder)
             manifest = {"format": SHARDED, "step": plan.step, "meta": meta, "files": listed}

@@ -6,23 +6,27 @@ checkpoint in it slowed training down by more than a synchronous save cost (the 
 shared-memory buffers (allocated at the first save and reused by every later one) and sends
 the plain rest of the state over a socket; a child process runs `storage.save` on them, with
 every guarantee a synchronous save has (atomic, fsynced, manifest last, pruning after), and
-the same tensors, strides and storages as the synchronous save writes.
+the same tensors and strides as the synchronous save writes (each in a storage of its own
+size: a view's larger storage, e.g. FSDP's padded shard, is not written whole).
 
 The writer process:
 - is a fresh interpreter (`python -c`, not `multiprocessing`): nothing of the training
   process is forked (it runs gloo/NCCL threads) and, unlike multiprocessing's `spawn`, the
   user's main script is not run again in it;
 - gets each buffer as an anonymous shared-memory file (memfd) passed over a Unix socket
-  (SCM_RIGHTS). Both processes map it and close the descriptor: no file descriptor stays open
-  per tensor (torch.multiprocessing's file_descriptor strategy keeps one per storage in both
-  processes, past a default limit of 1024 for a ResNet-50 with AdamW), nothing is named in
-  /dev/shm (a container's is 64 MiB by default), and nothing outlives the two processes;
+  (SCM_RIGHTS), 64 at a time, each batch mapped and closed by both processes before
+  the next: no file descriptor stays open per tensor (torch.multiprocessing's
+  file_descriptor strategy keeps one per storage in both processes, past the common limit
+  of 1024 for a ResNet-50 with AdamW; the kernel also counts descriptors in flight against
+  it), nothing is named in /dev/shm (a container's is 64 MiB by default), and nothing
+  outlives the two processes;
 - ignores the signals a cluster sends every process of a job (SIGTERM, SIGINT, SIGUSR1/2,
   SIGHUP), from its first instruction (they are blocked when it starts): the training
   process decides what a preemption means, and a write in flight is finished, not torn;
 - dies with the training process (PR_SET_PDEATHSIG), and ends when the socket closes, so a
-  killed job leaves no writer behind; an interrupted write leaves a temporary file that the
-  next save removes, never a file under a checkpoint's name without its manifest;
+  killed job leaves no writer behind; an interrupted write leaves what a synchronous save
+  killed at that point leaves: a temporary file, or files without a manifest, which loading
+  skips and the next save removes;
 - answers each write with its outcome; `wait()` raises a failed write's error in the
   training process, and a writer that died (killed, out of memory) is a failed write that
   names its exit signal.
@@ -64,7 +68,7 @@ child_setup: str | None = None
 # What a cluster sends every process of a job to stop it (loader workers ignore the same set)
 _IGNORED_SIGNALS = exitcodes.LOADER_IGNORED_SIGNALS
 _PR_SET_PDEATHSIG = 1
-_FDS_PER_MESSAGE = 250  # the kernel's SCM_MAX_FD is 253
+_FDS_PER_MESSAGE = 64  # a batch (the kernel's SCM_MAX_FD is 253): few open at once
 _HEADER = struct.Struct("!QI")  # payload bytes, descriptors
 _REPO = Path(__file__).resolve().parents[1]
 # Where a shared buffer goes in a message: not storage's own "__tensor__", which a sharded
@@ -77,15 +81,29 @@ class WriterDied(RuntimeError):
     memory): a failed save that a restart may not meet again, so not bad input."""
 
 
+Layout = tuple[str, list[int], list[int], int]  # dtype, shape, strides, elements of storage
+
+
 class ProcessSaver:
     """Writes checkpoints (`storage.save`) in a child process; training stalls only for the
     copy into shared memory.
 
     At most one write is in flight: `save` first waits for the previous one. A failed write
-    is re-raised by the next `save` or `wait`, so no error is lost.
+    is re-raised by the next `save` or `wait`, so no error is lost. `signals`: more signals
+    for the writer to ignore (run.preempt_signals), beyond those a cluster sends.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[int, ...] = ()) -> None:
+        # Blocked from the start (the mask survives exec): a preemption signal that arrives
+        # while the writer imports torch stays pending, and the writer discards it once it
+        # ignores these signals. This thread only: the training process's other threads still
+        # take such a signal, and one pending here is delivered when the mask is restored.
+        self._ignored = sorted(set(_IGNORED_SIGNALS) | set(signals))
+        self._buffers: list[torch.Tensor] = []  # by leaf index: what the writer has mapped
+        self._in_flight: tuple[int, float] | None = None  # (step, when it was handed over)
+        self._start()
+
+    def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = [
             sys.executable,
@@ -95,21 +113,19 @@ class ProcessSaver:
             str(os.getpid()),
             json.dumps(sys.path),
             child_setup or "",
+            json.dumps([int(signum) for signum in self._ignored]),
         ]
-        # Blocked from the start (the mask survives exec): a preemption signal that arrives
-        # while the writer imports torch stays pending, and the writer discards it once it
-        # ignores these signals. This thread only: the training process's other threads still
-        # take such a signal, and one pending here is delivered when the mask is restored.
-        ignored = set(_IGNORED_SIGNALS)
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, ignored)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, self._ignored)
         try:
             self._process = subprocess.Popen(command, pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
             theirs.close()
         self._socket = ours
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._in_flight: tuple[int, float] | None = None  # (step, when it was handed over)
+        self._buffers = []
 
     @property
     def pid(self) -> int:
@@ -137,37 +153,65 @@ class ProcessSaver:
         """Whether the write in flight has not answered yet (never blocks)."""
         if self._in_flight is None:
             return False
-        readable, _, _ = select.select([self._socket], [], [], 0)
-        return not readable
+        poller = select.poll()  # not select.select: it refuses descriptors past 1023
+        poller.register(self._socket, select.POLLIN)
+        return not poller.poll(0)
 
     def _hand_over(self, state: dict[str, Any], job: tuple[Any, ...], step: int) -> None:
+        """New buffers for tensors whose layout is new (their descriptors sent in chunks, each
+        mapped and closed by the writer before the next: a few hundred open at most, however
+        many tensors), the values copied in, then the job."""
         self.wait()
+        if self._process.poll() is not None:  # died since, or after a broken exchange
+            code = self._process.returncode
+            log.warning(
+                "the checkpoint writer process had ended (%s): starting a new one",
+                f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}",
+            )
+            self._socket.close()
+            self._start()
         skeleton, leaves = storage._flatten(state, _MARKER)
-        names: list[str] = []
-        layouts: list[tuple[str, str, list[int], list[int], int]] = []
-        fds: list[int] = []
-        kept: dict[str, torch.Tensor] = {}
+        values = [tensor.detach() for _, tensor in leaves]
+        buffers = self._buffers[: len(values)]
+        buffers += [torch.empty(0)] * (len(values) - len(buffers))
+        fresh = [
+            (index, _layout(value))
+            for index, value in enumerate(values)
+            if index >= len(self._buffers) or not _same_layout(self._buffers[index], value)
+        ]
+        sent = False
         try:
-            for name, tensor in leaves:
-                value = tensor.detach()
-                buffer = self._buffers.get(name)
-                if buffer is None or not _same_layout(buffer, value):
-                    layout = _layout(name, value)
-                    fd = _memfd(layout, name)
-                    fds.append(fd)
-                    buffer = _mapped(fd, layout)
-                    layouts.append(layout)
+            for first in range(0, len(fresh), _FDS_PER_MESSAGE):
+                chunk = fresh[first : first + _FDS_PER_MESSAGE]
+                fds: list[int] = []
+                try:
+                    for index, layout in chunk:
+                        fd = _memfd(layout, leaves[index][0]) if layout[3] else None
+                        if fd is not None:
+                            fds.append(fd)
+                        buffers[index] = _mapped(fd, layout)
+                    sent = True
+                    _send(self._socket, ("buffers", chunk), fds)
+                finally:
+                    for fd in fds:  # the mapping stays; the writer maps its own
+                        os.close(fd)
+                outcome, detail = _receive(self._socket)[0]
+                if outcome == "error":
+                    raise detail
+            for buffer, value in zip(buffers, values, strict=True):
                 buffer.copy_(value)
-                kept[name] = buffer
-                names.append(name)
-            self._buffers = kept
-            try:
-                _send(self._socket, (skeleton, names, layouts, job), fds)
-            except OSError as err:
+            sent = True
+            _send(self._socket, ("job", skeleton, len(values), job), [])
+        except BaseException as err:
+            if not sent:  # nothing reached the writer (a buffer could not be made)
+                raise
+            # The two ends may disagree on what is mapped now: a fresh writer next time.
+            died = self._process.poll() is not None
+            self._stop(kill=True)
+            if died or isinstance(err, EOFError | BrokenPipeError | ConnectionResetError):
                 raise self._died(step) from err
-        finally:
-            for fd in fds:  # the mapping stays; the writer holds its own
-                os.close(fd)
+            raise
+        self._buffers = buffers
         self._in_flight = (step, time.monotonic())
 
     def wait(self) -> Any:
@@ -197,15 +241,22 @@ class ProcessSaver:
         try:
             self.wait()
         finally:
-            if self._process.poll() is None:
-                try:
-                    self._socket.shutdown(socket.SHUT_WR)  # the writer's recv ends: it exits
-                    self._process.wait(timeout=30)
-                except (OSError, subprocess.TimeoutExpired):
+            self._stop(kill=False)
+
+    def _stop(self, kill: bool) -> None:
+        if self._process.poll() is None:
+            try:
+                if kill:
                     self._process.kill()
-                    self._process.wait()
-            self._socket.close()
-            self._buffers = {}
+                else:
+                    self._socket.shutdown(socket.SHUT_WR)  # the writer's recv ends: it exits
+                self._process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait()
+        self._socket.close()
+        self._buffers = []
+        self._in_flight = None
 
     def _died(self, step: int) -> WriterDied:
         try:
@@ -230,19 +281,19 @@ def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
     )
 
 
-def _layout(name: str, value: torch.Tensor) -> tuple[str, str, list[int], list[int], int]:
-    """(name, dtype, shape, strides, elements of storage) of the buffer for `value`: its own
+def _layout(value: torch.Tensor) -> Layout:
+    """(dtype, shape, strides, elements of storage) of the buffer for `value`: its own
     strides where it is dense (channels_last stays channels_last), else contiguous ones."""
     probe = torch.empty_like(value, device="meta")  # keeps dense strides, packs the rest
     shape, stride = list(probe.shape), list(probe.stride())
-    span = (
-        1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if probe.numel() else 0
-    )
-    return name, str(value.dtype).removeprefix("torch."), shape, stride, span
+    span = 0
+    if probe.numel():
+        span = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+    return str(value.dtype).removeprefix("torch."), shape, stride, span
 
 
-def _memfd(layout: tuple[str, str, list[int], list[int], int], name: str) -> int:
-    _, dtype, _, _, span = layout
+def _memfd(layout: Layout, name: str) -> int:
+    dtype, _, _, span = layout
     size = span * getattr(torch, dtype).itemsize
     fd = os.memfd_create("checkpoint", os.MFD_CLOEXEC)
     try:
@@ -257,40 +308,44 @@ def _memfd(layout: tuple[str, str, list[int], list[int], int], name: str) -> int
     return fd
 
 
-def _mapped(fd: int, layout: tuple[str, str, list[int], list[int], int]) -> torch.Tensor:
-    _, dtype, shape, stride, span = layout
-    flat = torch.from_file(
-        f"/proc/self/fd/{fd}", shared=True, size=span, dtype=getattr(torch, dtype)
-    )
+def _mapped(fd: int | None, layout: Layout) -> torch.Tensor:
+    """The buffer on memfd `fd` (None: an empty tensor, nothing to share). torch.from_file
+    opens /proc/self/fd/N, maps it and closes what it opened, so the descriptor can be closed
+    right after (Python's mmap.mmap would keep a duplicate open per buffer)."""
+    dtype, shape, stride, span = layout
+    kind = getattr(torch, dtype)
+    if fd is None:
+        return torch.empty_strided(shape, stride, dtype=kind)
+    flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=span, dtype=kind)
     return flat.as_strided(shape, stride)
 
 
 def _send(sock: socket.socket, message: Any, fds: list[int]) -> None:
-    """One message: its header, the descriptors (at most 250 a chunk, each chunk one marker
-    byte), the pickled payload. Pickle is safe here: both ends are this pipeline."""
+    """One message: its header, the descriptors (one marker byte carrying them all, at most
+    64), the pickled payload. Pickle is safe here: both ends are this pipeline."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     header = _HEADER.pack(len(payload), len(fds))
-    if not fds:  # every save after the first: one system call
+    if not fds:
         sock.sendall(header + payload)
         return
     sock.sendall(header)
-    for first in range(0, len(fds), _FDS_PER_MESSAGE):
-        socket.send_fds(sock, [b"F"], fds[first : first + _FDS_PER_MESSAGE])
+    socket.send_fds(sock, [b"F"], fds)
     sock.sendall(payload)
 
 
 def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
     """(message, descriptors) of the next `_send`; EOFError when the other end closed."""
     fds: list[int] = []
-    header = _read(sock, _HEADER.size, fds)
-    size, count = _HEADER.unpack(header)
-    markers = -(-count // _FDS_PER_MESSAGE)
-    _read(sock, markers, fds)
-    payload = _read(sock, size, fds)
-    if len(fds) != count:
+    try:
+        size, count = _HEADER.unpack(_read(sock, _HEADER.size, fds))
+        _read(sock, 1 if count else 0, fds)
+        payload = _read(sock, size, fds)
+        if len(fds) != count:
+            raise OSError(f"expected {count} descriptors from the other process, got {len(fds)}")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise OSError(f"expected {count} descriptors from the other process, got {len(fds)}")
+        raise
     return pickle.loads(payload), fds
 
 
@@ -298,16 +353,21 @@ def _read(sock: socket.socket, size: int, fds: list[int]) -> bytes:
     """Exactly `size` bytes, collecting any descriptors that come with them."""
     chunks, got = [], 0
     while got < size:
-        data, received, _, _ = socket.recv_fds(sock, size - got, _FDS_PER_MESSAGE)
+        data, received, flags, _ = socket.recv_fds(sock, size - got, _FDS_PER_MESSAGE)
+        fds.extend(received)
+        if flags & socket.MSG_CTRUNC:
+            raise OSError("descriptors from the other process were cut off (MSG_CTRUNC)")
         if not data:
             raise EOFError("the other process closed the socket")
         chunks.append(data)
-        fds.extend(received)
         got += len(data)
     return b"".join(chunks)
 
 
 def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the training process dies. Linux ties it to the thread that started this
+    process: the saver must be made by a thread that lives as long as the training (the main
+    thread, in train.py and ray_train.py's processes)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -327,12 +387,12 @@ def _portable(err: BaseException) -> BaseException:
 
 
 def _main() -> None:
-    """The writer process: `python -c ... FD PARENT_PID SYS_PATH SETUP`."""
-    ignored = set(_IGNORED_SIGNALS)
+    """The writer process: `python -c ... FD PARENT_PID SYS_PATH SETUP SIGNALS`."""
+    fd, parent, path, setup, signals = sys.argv[1:6]
+    ignored = [signal.Signals(signum) for signum in json.loads(signals)]
     for signum in ignored:
         signal.signal(signum, signal.SIG_IGN)  # discards what arrived while blocked
     signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
-    fd, parent, path, setup = sys.argv[1:5]
     _die_with_parent(int(parent))
     parent_path = json.loads(path)
     sys.path[:] = [*parent_path, *(p for p in sys.path if p not in parent_path)]
@@ -344,22 +404,33 @@ def _main() -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    """One `storage.save` per message, each answered with its outcome."""
-    buffers: dict[str, torch.Tensor] = {}
+    """Map the buffers each "buffers" message brings; one `storage.save` (or one rank's
+    files of a sharded checkpoint) per "job" message, each answered with its outcome."""
+    buffers: list[torch.Tensor] = []
     while True:
         try:
             message, fds = _receive(sock)
         except (EOFError, OSError):
             return  # the training process closed the socket, or is gone
-        skeleton, names, layouts, job = message
-        for layout, fd in zip(layouts, fds, strict=True):
-            buffers[layout[0]] = _mapped(fd, layout)
-            os.close(fd)
-        buffers = {name: buffers[name] for name in names}
+        if message[0] == "buffers":
+            try:
+                handed = iter(fds)
+                for index, layout in message[1]:
+                    buffers += [torch.empty(0)] * (index + 1 - len(buffers))
+                    buffers[index] = _mapped(next(handed) if layout[3] else None, layout)
+                reply: Any = ("mapped", len(message[1]))
+            except BaseException as err:
+                reply = ("error", _portable(err))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            _send(sock, reply, [])
+            continue
+        _, skeleton, count, job = message
+        del buffers[count:]
         try:
-            tensors = {index: buffers[name] for index, name in enumerate(names)}
-            state = storage._unflatten(skeleton, tensors, _MARKER)
-            reply: Any = ("ok", _run(job, state))
+            state = storage._unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
+            reply = ("ok", _run(job, state))
         except BaseException as err:  # reported to the training process, which decides
             reply = ("error", _portable(err))
         _send(sock, reply, [])

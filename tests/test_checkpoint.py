@@ -383,7 +383,8 @@ def test_async_save_writes_the_state_as_it_was_when_called(tmp_path, saver) -> N
     for step, state in ((2, at_2), (4, at_4)):
         loaded_equal(tmp_path / "async" / f"step_{step}.pt", state)
         storage.verify(tmp_path / "async" / f"step_{step}.pt")  # its manifest vouches for it
-    loaded_equal(tmp_path / "sync" / "step_2.pt", storage.load(tmp_path / "async" / "step_2.pt", CPU))
+    async_2 = storage.load(tmp_path / "async" / "step_2.pt", CPU)
+    loaded_equal(tmp_path / "sync" / "step_2.pt", async_2)
     assert storage.read_best(tmp_path / "async") == {"step": 4, "accuracy": 0.5}
 
 
@@ -429,21 +430,65 @@ def test_the_writer_finishes_a_write_through_the_signals_a_cluster_sends(tmp_pat
     assert process_saver._process.poll() == 0  # the socket closed: the writer ended
 
 
-def test_a_killed_writer_is_a_failed_save_naming_its_signal(tmp_path) -> None:
+def _slow_writes() -> None:
+    """child_setup of the next test: every save in the writer takes 30 s longer."""
+    original = storage.save
+
+    def slow(*args, **kwargs):
+        time.sleep(30)
+        return original(*args, **kwargs)
+
+    storage.save = slow
+
+
+def test_a_writer_killed_mid_write_is_a_failed_save_naming_its_signal(
+    tmp_path, monkeypatch
+) -> None:
+    """The OOM killer takes the writer during a write: that save fails, naming the signal,
+    the older checkpoints stay, and the next save starts a new writer and succeeds."""
+    monkeypatch.setattr(writer, "child_setup", "test_checkpoint:_slow_writes")
     process_saver = writer.ProcessSaver()
     try:
         state = {"model": {"w": torch.ones(3)}, "step": 1}
-        process_saver.save(state, tmp_path, step=1, keep=2, accuracy=None)
-        process_saver.wait()
-        os.kill(process_saver.pid, signal.SIGKILL)  # the OOM killer, say
-        process_saver._process.wait()
+        storage.save(state, tmp_path, step=1, keep=2, accuracy=None)
+        process_saver.save({**state, "step": 2}, tmp_path, step=2, keep=2, accuracy=None)
+        os.kill(process_saver.pid, signal.SIGKILL)  # within its 30 s
         with pytest.raises(writer.WriterDied, match="killed by SIGKILL.*step 2"):
-            process_saver.save({**state, "step": 2}, tmp_path, step=2, keep=2, accuracy=None)
             process_saver.wait()
+        assert [p.name for _, p in storage.list_checkpoints(tmp_path)] == ["step_1.pt"]
+        storage.verify(tmp_path / "step_1.pt")
+        monkeypatch.setattr(writer, "child_setup", None)
+        process_saver.save({**state, "step": 3}, tmp_path, step=3, keep=2, accuracy=None)
+        process_saver.wait()
+        storage.verify(tmp_path / "step_3.pt")
     finally:
         process_saver.close()
-    assert [p.name for _, p in storage.list_checkpoints(tmp_path)] == ["step_1.pt"]
-    storage.verify(tmp_path / "step_1.pt")
+
+
+def test_many_tensors_pass_within_a_low_descriptor_limit(tmp_path) -> None:
+    """1,500 tensors (a ResNet-50 with AdamW and a weight average has about 1,100) under a
+    soft limit of 256 open files in both processes: the buffers' descriptors travel in
+    batches, each mapped and closed before the next."""
+    script = (
+        "import resource, sys, torch\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from ckpt import storage, writer\n"
+        "model = {f'p{i}': torch.full((i % 7 + 1,), float(i)) for i in range(1500)}\n"
+        "state = {'model': model, 'step': 1}\n"
+        "s = writer.ProcessSaver()\n"
+        f"s.save(state, {str(tmp_path)!r}, 1, 1, None)\n"
+        "s.wait()\n"
+        "state['model']['p3'] += 1\n"
+        f"s.save({{**state, 'step': 2}}, {str(tmp_path)!r}, 2, 1, None)\n"
+        "s.close()\n"
+        f"got = storage.load({str(tmp_path / 'step_2.pt')!r}, torch.device('cpu'))['model']\n"
+        "assert all(torch.equal(got[k], v) for k, v in state['model'].items())\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_the_writer_dies_with_the_training_process(tmp_path) -> None:
@@ -533,3 +578,15 @@ def test_resume_from_a_directory_takes_its_newest_usable_checkpoint(tmp_path, gi
 def test_resume_from_a_directory_without_checkpoints_says_so(tmp_path) -> None:
     with pytest.raises(storage.CheckpointError, match=f"no checkpoint in {tmp_path}"):
         storage.load_for_resume(str(tmp_path), tmp_path / "run", CPU)
+
+
+def test_a_checkpoint_whose_save_was_killed_does_not_count_among_the_kept(tmp_path) -> None:
+    """keep=2: good checkpoints of steps 100 and 200, then step 300's save killed before its
+    manifest, and a resume that never saves step 300 again (another world size). Saving 350
+    keeps 200 and 350; the manifest-less 300 goes, instead of taking 200's place."""
+    for step in (100, 200):
+        storage.save({"model": {"w": torch.ones(2)}, "step": step}, tmp_path, step, 2, None)
+    torch.save({"model": {}, "step": 300}, tmp_path / "step_300.pt")  # no manifest
+    storage.save({"model": {"w": torch.ones(2)}, "step": 350}, tmp_path, 350, 2, None)
+    assert [step for step, _ in storage.list_checkpoints(tmp_path)] == [200, 350]
+    storage.verify(tmp_path / "step_200.pt")
