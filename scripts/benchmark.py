@@ -774,6 +774,7 @@ def strategy_entry(
     device_type: str,
     scratch: str,
     store: int,
+    async_stall: bool = True,
 ) -> None:
     """One of 2 spawned ranks under `strategy` (`store`: a file store of its own): bytes of
     parameters, gradients and optimizer
@@ -835,10 +836,11 @@ def strategy_entry(
         report = {**held, "peak_bytes": peak, "peak_kind": peak_kind, "seconds": seconds}
         if strategy == "fsdp":  # after the peak: the saves' buffers are not training's
             report["checkpoint"] = time_checkpoints(info, par, optimizer, Path(scratch), rounds)
-            sync_s = statistics.median(report["checkpoint"]["save_sharded_s"])
-            report["checkpoint"] |= time_async_stall(
-                info, par, optimizer, Path(scratch), rounds, step, sync_s
-            )
+            if async_stall:
+                sync_s = statistics.median(report["checkpoint"]["save_sharded_s"])
+                report["checkpoint"] |= time_async_stall(
+                    info, par, optimizer, Path(scratch), rounds, step, sync_s
+                )
         gathered = distributed.all_gather_object(report)
         if rank == 0:
             (Path(scratch) / f"strategy-{strategy}.json").write_text(json.dumps(gathered))
@@ -975,6 +977,7 @@ def measure_strategies(
                     device.type,
                     str(scratch),
                     repeat,
+                    plan is not QUICK,  # the async stall: minutes more on 2 cores
                 ),
                 nprocs=2,
                 start_method="spawn",
