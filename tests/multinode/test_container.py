@@ -248,7 +248,7 @@ def test_fsdp_with_async_sharded_checkpoints_runs_in_the_read_only_image(
     """The image (read-only, uid 1000, /tmp the only tmpfs) trains with dist.strategy=fsdp and
     ckpt.async_save: each rank's writer process maps its buffers from memfds, which need no
     writable path; the sharded checkpoint holds what the same job holds outside the image."""
-    job = [*SYNTHETIC_JOB, "--train.max_steps=6", "--ckpt.every_steps=3"]
+    job = [*SYNTHETIC_JOB, "--train.max_steps=6", "--ckpt.every_steps=3", "--train.amp=none"]
     job += ["--dist.strategy=fsdp", "--ckpt.async_save=true", "--run.dir=/runs/fsdp"]
     runs = tmp_path / "runs"
     result = subprocess.run(
@@ -258,7 +258,8 @@ def test_fsdp_with_async_sharded_checkpoints_runs_in_the_read_only_image(
     assert result.returncode == 0, out[-3000:]
     assert "wrote the step 3 checkpoint's shards in the background" in out
     reference = tmp_path / "host"
-    host_run(reference, *[a for a in job if not a.startswith("--run.dir")])
+    # The entry point runs overrides on top of the default job's config file
+    host_run(reference, "--config", "configs/fashion_mnist.toml", *job[:-1])
     got, want = final_state(runs / "fsdp"), final_state(reference)
     assert got["step"] == want["step"] == 6
     for key, value in want["model"].items():
