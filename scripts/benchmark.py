@@ -959,10 +959,10 @@ def measure_strategies(
     batch: int = 8,
 ) -> dict[str, Any]:
     """ddp, zero and fsdp at 2 ranks on `model_name`, each in fresh processes (a peak of
-    memory is a process's), the strategies' turns interleaved over `plan.repeats` rounds."""
+    memory is a process's), the strategies' turns interleaved over rounds (one with --quick)."""
     per_strategy: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
     steps = max(2, plan.scaling_steps // 4)
-    for repeat in range(max(2, plan.repeats // 2)):
+    for repeat in range(1 if plan is QUICK else max(2, plan.repeats // 2)):
         order = STRATEGIES if repeat % 2 == 0 else tuple(reversed(STRATEGIES))
         for strategy in order:
             mp.start_processes(

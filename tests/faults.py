@@ -243,7 +243,6 @@ def install_from_environment() -> None:
 def main() -> int:
     sys.path.insert(0, str(REPO))
     import train
-
     from ckpt import writer
 
     install_from_environment()

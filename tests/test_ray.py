@@ -169,6 +169,7 @@ def test_a_killed_ray_worker_is_restarted_and_the_run_ends_equal_to_an_uninterru
     assert not launch_processes()
 
 
+@pytest.mark.extended  # CI: a node drain stops the ranks through the same checkpoint path
 def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_same_command_resumes(
     tmp_path: Path, reference: Path
 ) -> None:

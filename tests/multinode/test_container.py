@@ -266,6 +266,7 @@ def test_fsdp_with_async_sharded_checkpoints_runs_in_the_read_only_image(
         assert torch.equal(got["model"][key], value), key
 
 
+@pytest.mark.extended  # CI: tests/test_signals.py sends the same SIGTERM to the launcher
 def test_sigterm_to_the_container_checkpoints_and_the_next_container_resumes_exactly(
     image: str, tmp_path: Path
 ) -> None:

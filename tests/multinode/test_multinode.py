@@ -90,6 +90,7 @@ def test_hybrid_shards_within_each_node_and_replicates_across_them(tmp_path) -> 
         assert torch.allclose(a["model"][key], value, atol=2e-5), key
 
 
+@pytest.mark.extended  # CI: 2 nodes x 2, hybrid, a killed node, a node-local run dir
 def test_three_nodes(tmp_path) -> None:
     with netns_cluster(3) as cluster:
         results = cluster.launch([0, 1, 2], nproc=1, args=[f"--run.dir={tmp_path}", *JOB])

@@ -54,7 +54,7 @@ COMMON = [
 # Loader worker processes, so that Slurm's signals reach those too.
 JOB = [*COMMON, "--data.loader=dataloader", "--data.num_workers=1", "--dist.preflight=false"]
 # Long enough (over a minute of training on 2 cores) to still run when a time-limit signal
-# comes: Slurm checks time limits every 30 s. The preflight table names each rank's host.
+# comes: Slurm checks time limits every 30 s.
 LONG_EPOCHS = 36
 LONG_JOB = [*COMMON, "--data.num_workers=0", f"--train.epochs={LONG_EPOCHS}"]
 ENV = {
@@ -147,13 +147,19 @@ def long_reference(cluster: SlurmCluster, tmp_path_factory) -> tuple[Path, str]:
 # --- tests --------------------------------------------------------------------------------------
 
 
-def test_a_job_runs_to_completion_with_ranks_on_both_nodes(long_reference) -> None:
-    run_dir, log = long_reference
+def test_a_job_runs_to_completion_with_ranks_on_both_nodes(cluster, tmp_path) -> None:
+    """The job with the preflight check, whose table names each rank's host."""
+    job = run_to_end(
+        cluster, submit(cluster, tmp_path, [*COMMON, "--data.num_workers=0"]), tmp_path
+    )
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0")
+    log = (tmp_path / "job.out").read_text()
     assert "rendezvous node1:" in log  # the first node of `scontrol show hostnames`
     ranks = dict(re.findall(r"rank (\d+) = (\S+) local rank \d+", log))
     assert ranks == {"0": "node1", "1": "node2"}, log[-3000:]
     assert "train.sbatch: " in log and "finished" in log
-    assert epoch_digests(run_dir) == {e: expected_digest(e, N_TRAIN) for e in range(LONG_EPOCHS)}
+    digests = epoch_digests(tmp_path / "run")
+    assert digests == {e: expected_digest(e, N_TRAIN) for e in range(EPOCHS)}
 
 
 @pytest.mark.parametrize(
@@ -208,6 +214,7 @@ def test_an_fsdp_job_preempted_by_slurm_resumes_exactly(cluster, tmp_path) -> No
     assert_ends_like(tmp_path / "run", reference / "run", 1)
 
 
+@pytest.mark.extended  # CI: scancel --signal=USR2 --batch requeues and resumes the same way
 def test_scancel_then_resubmit_ends_exact(cluster, reference, tmp_path) -> None:
     """A plain scancel ends the job for good (CANCELLED: SIGTERM to every process, the workers
     checkpoint); the user submits again with the same RUN_DIR, which resumes."""
@@ -227,6 +234,7 @@ def test_scancel_then_resubmit_ends_exact(cluster, reference, tmp_path) -> None:
     assert_ends_like(tmp_path / "run", reference, EPOCHS)
 
 
+@pytest.mark.extended  # CI: the same trap in train.sbatch, by scancel --signal=USR2 --batch
 def test_time_limit_signal_checkpoints_requeues_and_ends_exact(
     cluster, long_reference, tmp_path
 ) -> None:
