@@ -774,7 +774,6 @@ def strategy_entry(
     device_type: str,
     scratch: str,
     store: int,
-    async_stall: bool = True,
 ) -> None:
     """One of 2 spawned ranks under `strategy` (`store`: a file store of its own): bytes of
     parameters, gradients and optimizer
@@ -836,11 +835,6 @@ def strategy_entry(
         report = {**held, "peak_bytes": peak, "peak_kind": peak_kind, "seconds": seconds}
         if strategy == "fsdp":  # after the peak: the saves' buffers are not training's
             report["checkpoint"] = time_checkpoints(info, par, optimizer, Path(scratch), rounds)
-            if async_stall:
-                sync_s = statistics.median(report["checkpoint"]["save_sharded_s"])
-                report["checkpoint"] |= time_async_stall(
-                    info, par, optimizer, Path(scratch), rounds, step, sync_s
-                )
         gathered = distributed.all_gather_object(report)
         if rank == 0:
             (Path(scratch) / f"strategy-{strategy}.json").write_text(json.dumps(gathered))
@@ -889,67 +883,6 @@ def time_checkpoints(
     return times
 
 
-def time_async_stall(
-    info: DistInfo,
-    par: Any,
-    optimizer: torch.optim.Optimizer,
-    scratch: Path,
-    rounds: int,
-    step: Callable[[], None],
-    sync_s: float,
-) -> dict[str, list[float]]:
-    """Collective, under fsdp: training steps with an asynchronous sharded save handed over
-    at their start (ckpt.async_save: each rank's writer process) vs the same steps without,
-    interleaved. A round spans enough steps to cover a synchronous save and ends once the
-    manifest is written, so a write that outlasts the steps counts in full; the stall is the
-    difference (prepare, the copy into shared memory, and the writers' competition for the
-    cores)."""
-    from ckpt import parts, writer
-
-    model_part, optim_part = parts.ModelState(par.bare), parts.OptimizerState(optimizer)
-    gather = distributed.all_gather_object
-
-    def agree(error: BaseException | None, what: str) -> None:
-        distributed.raise_if_any_failed(info, error, what)
-
-    started = time.perf_counter()
-    step()
-    steps = max(2, math.ceil(sync_s / (time.perf_counter() - started)) + 1)
-    saver = writer.ProcessSaver()
-    directory = scratch / "ckpt-async"
-    times: dict[str, list[float]] = {"steps_s": [], "steps_with_async_save_s": []}
-    times["async_handover_s"] = []
-    try:
-        for number in range(rounds + 1):  # round 0: warm-up (the writer's buffers)
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(steps):
-                step()
-            plain = time.perf_counter() - started
-            dist.barrier()
-            started = time.perf_counter()
-            state = {
-                "model": model_part.sharded_state_dict(),
-                "optimizer": optim_part.sharded_state_dict(),
-                "step": number + 1,
-            }
-            plan = storage.prepare_sharded(state, directory, number + 1, info.rank, gather, agree)
-            saver.write_sharded(plan)
-            handover = time.perf_counter() - started
-            for _ in range(steps):
-                step()
-            written = saver.wait()
-            storage.finish_sharded(plan, written, None, 1, None, info.rank, gather, agree)
-            with_save = time.perf_counter() - started
-            if number:
-                times["steps_s"].append(plain)
-                times["steps_with_async_save_s"].append(with_save)
-                times["async_handover_s"].append(handover)
-    finally:
-        saver.close()
-    return times
-
-
 def measure_strategies(
     model_name: str,
     device: torch.device,
@@ -977,7 +910,6 @@ def measure_strategies(
                     device.type,
                     str(scratch),
                     repeat,
-                    plan is not QUICK,  # the async stall: minutes more on 2 cores
                 ),
                 nprocs=2,
                 start_method="spawn",
@@ -1012,20 +944,6 @@ def measure_strategies(
             key: Spread.of([s for run in fsdp_runs for s in run[0]["checkpoint"][key]])
             for key in fsdp_runs[0][0]["checkpoint"]
         }
-        if "steps_s" in fsdp_runs[0][0]["checkpoint"]:
-            stalls = [
-                a - p
-                for run in fsdp_runs
-                for a, p in zip(
-                    run[0]["checkpoint"]["steps_with_async_save_s"],
-                    run[0]["checkpoint"]["steps_s"],
-                    strict=True,
-                )
-            ]
-            result["stall_s"] = Spread.of(stalls)
-            # Below the noise the difference can come out negative: no measurable stall.
-            sync = result["checkpoint"]["save_sharded_s"].median
-            result["stall_ratio"] = max(0.0, result["stall_s"].median) / sync
     return result
 
 
@@ -1057,13 +975,6 @@ def strategies_table(result: dict[str, Any]) -> str:
             f"{c['save_file_s'].show('{:.3f}')}; load sharded {c['load_sharded_s'].show('{:.3f}')}"
             f" vs one file {c['load_file_s'].show('{:.3f}')}"
         )
-        if "stall_ratio" in result:
-            lines.append(
-                f"async sharded save: stall {result['stall_s'].show('{:.3f}')} s over "
-                f"{c['steps_s'].median:.1f} s of steps, hand-over "
-                f"{c['async_handover_s'].show('{:.3f}')} s; stall / synchronous sharded save "
-                f"{result['stall_ratio']:.2f}"
-            )
     return "\n".join(lines)
 
 
