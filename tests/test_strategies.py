@@ -76,6 +76,15 @@ def max_difference(a: dict, b: dict) -> float:
     return max((a[key].double() - b[key].double()).abs().max().item() for key in a)
 
 
+def assert_same_model_and_optimizer(a: dict, b: dict) -> None:
+    """Bit for bit: every weight of `a`'s model and every tensor of its optimizer state."""
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for index, entry in a["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
+
+
 @pytest.mark.e2e
 def test_every_strategy_at_two_ranks_trains_as_one_rank_on_the_full_batch(tmp_path) -> None:
     train(tmp_path / "one", None, "ddp")
@@ -299,12 +308,7 @@ def test_async_sharded_checkpoints_survive_a_preemption_and_killed_writers(tmp_p
     third = launch(2, *args)
     assert third.returncode == 0, third.output[-3000:]
     assert f"skipping unusable checkpoint: checkpoint {dead} has no manifest" in third.output
-    a, b = final_state(full), final_state(run_dir)
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for index, entry in a["optimizer"]["state"].items():
-        for name, value in entry.items():
-            assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
+    assert_same_model_and_optimizer(final_state(full), final_state(run_dir))
 
 
 @pytest.mark.e2e
@@ -330,12 +334,7 @@ def test_an_fsdp_job_killed_before_its_manifest_resumes_from_the_previous_checkp
     third = launch(2, *args)
     assert third.returncode == 0, third.output[-3000:]
     assert f"skipping unusable checkpoint: checkpoint {dead} has no manifest" in third.output
-    a, b = final_state(full), final_state(run_dir)
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for index, entry in a["optimizer"]["state"].items():
-        for name, value in entry.items():
-            assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
+    assert_same_model_and_optimizer(final_state(full), final_state(run_dir))
 
 
 # A per-process memory limit the test sets on the launcher, inherited by torchrun and the
