@@ -73,3 +73,114 @@ def test_batched_gpu_decoding_matches_the_cpu_decoder(tmp_path) -> None:
     cut = encoded[0][: len(encoded[0]) // 2]
     with pytest.raises(imagefolder.UnreadableImage, match=paths[0]):
         images.decode_batch([cut], [paths[0]], torch.tensor([0]), None, cuda)
+
+
+# ---------------------------------------------------------------------------------------------
+# dist.strategy on CUDA and NCCL (one GPU: world size 1 still runs fully_shard, the sharded
+# checkpoint, the writer process and the fused optimizers on the device)
+
+STRATEGY_ARGS = [
+    "--data.dataset=synthetic",
+    "--data.synthetic_train_size=480",  # 10 steps of 48 an epoch
+    "--data.global_batch_size=48",
+    "--data.synthetic_eval_size=65",
+    "--data.eval_batch_size=16",
+    "--data.num_workers=0",
+    "--data.augment=false",
+    "--train.grad_accum_steps=2",
+    "--train.epochs=2",
+    "--train.ema_decay=0.9",
+    "--train.compile=off",
+    "--model.widths=8,16,16",
+    "--optim.name=adamw",
+    "--optim.lr=0.003",
+    "--optim.warmup_steps=2",
+    "--log.tensorboard=false",
+    "--log.every_steps=4",
+    "--dist.timeout_s=120",
+    "--ckpt.keep=20",
+]
+
+
+def _strategy_run(run_dir, strategy: str, *extra: str, faults: str | None = None, nproc=1):
+    proc = launch(
+        nproc,
+        f"--run.dir={run_dir}",
+        f"--dist.strategy={strategy}",
+        *STRATEGY_ARGS,
+        *extra,
+        faults=faults,
+        timeout=600,
+    )
+    return proc
+
+
+@pytest.mark.e2e
+def test_every_strategy_on_one_gpu_trains_as_ddp_does(tmp_path) -> None:
+    """fp32 without TF32 or cudnn.benchmark: zero, fsdp and hybrid at world size 1 on NCCL end
+    where ddp ends, to float rounding (the same tolerance as the CPU test's 2 ranks)."""
+    from helpers import final_state
+    from test_strategies import TOLERANCE, max_difference
+
+    exact = ("--model.norm=group", "--train.amp=none", "--train.cuda_fast_math=false")
+    states = {}
+    for strategy in ("ddp", "zero", "fsdp", "hybrid"):
+        proc = _strategy_run(tmp_path / strategy, strategy, *exact)
+        assert proc.returncode == 0, proc.output[-4000:]
+        assert "backend nccl" in proc.output and "device cuda:0" in proc.output
+        states[strategy] = final_state(tmp_path / strategy)
+        assert states[strategy]["step"] == 20
+    for strategy in ("zero", "fsdp", "hybrid"):
+        difference = max_difference(states[strategy]["model"], states["ddp"]["model"])
+        print(f"{strategy}: largest weight difference from ddp on cuda {difference:.1e}")
+        assert difference < TOLERANCE, strategy
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("strategy", ["fsdp", "zero"])
+def test_a_gpu_run_resumed_with_async_saves_continues_and_its_checkpoint_loads_on_cpu(
+    tmp_path, strategy
+) -> None:
+    """bf16 autocast and the fused AdamW of CUDA, BatchNorm. Preempted at step 8 with the
+    writer process saving from the device; resumed, it ends where the uninterrupted run ends
+    (bit for bit where the GPU's kernels are deterministic; this prints which). The step 5
+    checkpoint written on the GPU then continues on the CPU under ddp at 2 gloo ranks, every
+    sample of each epoch seen once (the ledger's digest equals the GPU run's)."""
+    from helpers import final_state
+    from test_strategies import copy_checkpoint, max_difference
+
+    every, amp = "--ckpt.every_steps=5", "--train.amp=bf16"
+    full, run_dir, cpu = tmp_path / "full", tmp_path / "run", tmp_path / "cpu"
+    proc = _strategy_run(full, strategy, every, amp)
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "optim.impl=auto->fused" in proc.output, proc.output[-4000:]
+    first = _strategy_run(
+        run_dir, strategy, every, amp, "--ckpt.async_save=true", faults="sigterm@step=7"
+    )
+    assert "checkpoint written, exiting with code 75" in first.output, first.output[-4000:]
+    second = _strategy_run(run_dir, strategy, every, amp, "--ckpt.async_save=true")
+    assert second.returncode == 0 and "resuming from" in second.output, second.output[-4000:]
+    a, b = final_state(full), final_state(run_dir)
+    assert a["step"] == b["step"] == 20
+    difference = max_difference(a["model"], b["model"])
+    print(
+        f"{strategy} on cuda: resumed vs uninterrupted, largest weight difference "
+        f"{difference:.1e} (bit for bit: {difference == 0})"
+    )
+    assert difference < 1e-3
+    copy_checkpoint(full, cpu, 5)
+    on_cpu = launch(
+        2,
+        f"--run.dir={cpu}",
+        "--dist.strategy=ddp",
+        *STRATEGY_ARGS,
+        every,
+        "--train.amp=none",
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        timeout=600,
+    )
+    assert on_cpu.returncode == 0 and "resuming from" in on_cpu.output, on_cpu.output[-4000:]
+    assert "device cpu" in on_cpu.output
+    digests = [r["epoch_sample_digest"] for r in rows(full, "eval")]
+    assert [r["epoch_sample_digest"] for r in rows(cpu, "eval")] == digests
+    assert final_state(cpu)["step"] == 20
