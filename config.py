@@ -442,6 +442,12 @@ class TrainConfig(_Section):
     """wrap the model in torch.compile; auto = on CUDA, off on CPU"""
     cuda_fast_math: bool = True
     """on CUDA: cudnn.benchmark and TF32 matmuls/convolutions for fp32 work"""
+    deterministic: bool = False
+    """deterministic kernels (torch.use_deterministic_algorithms, cuDNN's
+    deterministic algorithms without autotuning, CUBLAS_WORKSPACE_CONFIG):
+    a run and its resume repeat bit for bit on a GPU, at some speed; an op
+    with no deterministic kernel is named in a warning. CPU kernels are
+    deterministic already"""
     ema_decay: float = 0.0
     """evaluate an exponential moving average of the weights with this
     decay per optimizer step (e.g. 0.998; saved in checkpoints as "ema");

@@ -101,7 +101,9 @@ class MiniResNet(nn.Module):
                 blocks.append(BasicBlock(channels, width, stride, norm))
                 channels = width
         self.stages = nn.Sequential(*blocks)
-        self.pool = nn.AdaptiveAvgPool2d(1)
+        # Global average pooling is a mean over the spatial dimensions in forward: its backward
+        # is a broadcast, deterministic on CUDA, where AdaptiveAvgPool2d's backward kernel is
+        # flagged nondeterministic (train.deterministic).
         # Before the classifier; an Identity when off, so no random number is drawn then.
         self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.head = nn.Linear(channels, num_classes)
@@ -121,7 +123,7 @@ class MiniResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))
-        return self.head(self.dropout(torch.flatten(self.pool(x), 1)))
+        return self.head(self.dropout(x.mean((2, 3))))
 
 
 # ---------------------------------------------------------------------------------------------

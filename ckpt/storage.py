@@ -210,7 +210,7 @@ def save(
     # renamed over the old ones, and only then does the manifest proper change. At every
     # point the file under the final name matches one of the two manifests.
     replacing = path.exists() or manifest_path(path).exists()
-    tmp, size, expected = _write_checked(path, state)
+    tmp, size, expected = _write_checked(path, on_host(state))
     manifest = {"file": path.name, "bytes": size, "crc32": expected, "step": step}
     payload = (json.dumps(manifest) + "\n").encode()
     if replacing:
@@ -224,6 +224,20 @@ def save(
     _finish(directory, step, keep, accuracy)
     log.info("saved checkpoint %s (%d bytes, crc32 %s)", path, size, expected)
     return path
+
+
+def on_host(state: Any) -> Any:
+    """`state` with every tensor in host memory. torch.save records each tensor's device, and
+    `torch.load` without map_location puts it back there: a file saved from a GPU would not
+    load on a machine without one (seen on an H200: the writer process's copies were on the
+    host, the synchronous save's on cuda:0)."""
+    if torch.is_tensor(state):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: on_host(value) for key, value in state.items()}
+    if isinstance(state, list | tuple) and not hasattr(state, "_fields"):
+        return type(state)(on_host(value) for value in state)
+    return state
 
 
 def _finish(directory: Path, step: int, keep: int, accuracy: float | None) -> None:
