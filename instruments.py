@@ -212,7 +212,9 @@ class Instruments:
             figures |= saturation.reduce(samples)
             if self.info.is_main:
                 on_gpu = self.info.device.type == "cuda"
-                self.advisor.consider(saturation.advice(figures, self.cfg.data.num_workers, on_gpu))
+                compiled = auto.compile_model(self.cfg.train.compile, self.info.device)
+                workers = self.cfg.data.num_workers
+                self.advisor.consider(saturation.advice(figures, workers, on_gpu, compiled))
         if self.flops_per_sample:
             per_rank = self.flops_per_sample * figures["samples_per_s"] / self.info.world_size
             figures["tflops_per_rank"] = per_rank / 1e12

@@ -141,9 +141,12 @@ def reduce(samples: Sequence[Sequence[float]]) -> dict[str, float]:
     return out
 
 
-def advice(figures: dict[str, float], num_workers: int, on_gpu: bool) -> list[tuple[str, str]]:
+def advice(
+    figures: dict[str, float], num_workers: int, on_gpu: bool, compiled: bool = False
+) -> list[tuple[str, str]]:
     """(kind, what to do) for each way the figures (a train row: data_wait_frac and the
-    reduced usage) show the hardware held back."""
+    reduced usage) show the hardware held back. `compiled`: the model runs under
+    torch.compile already, so that is not advised."""
     found = []
     wait = figures.get("data_wait_frac", 0.0)
     busy = figures.get("cpu_loader_worker_frac_median", math.nan)
@@ -173,8 +176,8 @@ def advice(figures: dict[str, float], num_workers: int, on_gpu: bool) -> list[tu
             (
                 "gpu-underused",
                 f"the GPUs are busy {util:.0f}% of the time while the loader keeps up (data wait "
-                f"{100 * wait:.0f}%): the step is too small for the GPU; raise data.batch_size, "
-                "or enable train.compile (fewer, fused kernels)",
+                f"{100 * wait:.0f}%): the step is too small for the GPU; raise data.batch_size"
+                + ("" if compiled else ", or enable train.compile (fewer, fused kernels)"),
             )
         )
     return found

@@ -75,6 +75,11 @@ def test_advice_names_what_to_change() -> None:
     small = {"data_wait_frac": 0.01, "gpu_util_pct_median": 35.0}
     ((kind, message),) = saturation.advice(small, num_workers=2, on_gpu=True)
     assert kind == "gpu-underused" and "raise data.batch_size" in message
+    assert "enable train.compile" in message
+    # Already compiled (the default on CUDA): the advice said "enable train.compile" to a
+    # compiled run on an H200 (the default job, GPU busy 15%).
+    ((_, message),) = saturation.advice(small, num_workers=2, on_gpu=True, compiled=True)
+    assert "raise data.batch_size" in message and "train.compile" not in message
     assert saturation.advice(small, num_workers=2, on_gpu=False) == []  # no GPU to underuse
     starved = {"data_wait_frac": 0.3, "gpu_util_pct_median": 35.0}  # the loader's fault
     assert [k for k, _ in saturation.advice(starved, 0, on_gpu=True)] == ["loader-in-process"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -393,3 +394,27 @@ def test_samples_labelled_ignore_are_named_as_such_not_as_unreadable_images(
     assert summary["eval_num_samples"] == 27
     assert "evaluated 27 of the 32 samples: 5 are labelled -100, the ignore label" in caplog.text
     assert "unreadable" not in caplog.text
+
+
+def test_train_deterministic_turns_on_deterministic_kernels(monkeypatch) -> None:
+    """train.deterministic: torch's deterministic mode (warn only) and cuDNN's deterministic
+    algorithms, with the cuBLAS workspace setting cuBLAS needs for it (read at its first
+    handle); off by default. The GPU half is tests/test_gpu.py (resumes bit for bit)."""
+    from config import parse_args
+    from distributed import DistInfo
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # restored (or removed) afterwards
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    info = DistInfo(0, 0, 1, torch.device("cpu"))
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
+    try:
+        train.configure_cuda(parse_args([]), info)
+        assert not torch.are_deterministic_algorithms_enabled()
+        train.configure_cuda(parse_args(["--train.deterministic=true"]), info)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic = before[1]
