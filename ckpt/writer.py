@@ -100,6 +100,7 @@ class ProcessSaver:
         # take such a signal, and one pending here is delivered when the mask is restored.
         self._ignored = sorted(set(_IGNORED_SIGNALS) | set(signals))
         self._buffers: list[torch.Tensor] = []  # by leaf index: what the writer has mapped
+        self._signatures: list[tuple[Any, ...]] = []  # (dtype, shape, strides) each was made for
         self._in_flight: tuple[int, float] | None = None  # (step, when it was handed over)
         self._start()
 
@@ -125,7 +126,7 @@ class ProcessSaver:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
             theirs.close()
         self._socket = ours
-        self._buffers = []
+        self._buffers, self._signatures = [], []
 
     @property
     def pid(self) -> int:
@@ -172,12 +173,14 @@ class ProcessSaver:
             self._start()
         skeleton, leaves = storage._flatten(state, _MARKER)
         values = [tensor.detach() for _, tensor in leaves]
+        signatures = [(v.dtype, v.shape, v.stride()) for v in values]
         buffers = self._buffers[: len(values)]
         buffers += [torch.empty(0)] * (len(values) - len(buffers))
+        known = self._signatures
         fresh = [
             (index, _layout(value))
             for index, value in enumerate(values)
-            if index >= len(self._buffers) or not _same_layout(self._buffers[index], value)
+            if index >= len(known) or known[index] != signatures[index]
         ]
         sent = False
         try:
@@ -198,8 +201,7 @@ class ProcessSaver:
                 outcome, detail = _receive(self._socket)[0]
                 if outcome == "error":
                     raise detail
-            for buffer, value in zip(buffers, values, strict=True):
-                buffer.copy_(value)
+            _copy_all(buffers, values)
             sent = True
             _send(self._socket, ("job", skeleton, len(values), job), [])
         except BaseException as err:
@@ -211,7 +213,7 @@ class ProcessSaver:
             if died or isinstance(err, EOFError | BrokenPipeError | ConnectionResetError):
                 raise self._died(step) from err
             raise
-        self._buffers = buffers
+        self._buffers, self._signatures = buffers, signatures
         self._in_flight = (step, time.monotonic())
 
     def wait(self) -> Any:
@@ -255,7 +257,7 @@ class ProcessSaver:
                 self._process.kill()
                 self._process.wait()
         self._socket.close()
-        self._buffers = []
+        self._buffers, self._signatures = [], []
         self._in_flight = None
 
     def _died(self, step: int) -> WriterDied:
@@ -273,12 +275,21 @@ class ProcessSaver:
         )
 
 
-def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
-    return (
-        buffer.shape == value.shape
-        and buffer.dtype == value.dtype
-        and buffer.stride() == value.stride()
-    )
+def _copy_all(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """`buffer.copy_(value)` for each pair, host tensors in one foreach call (0.07 ms for the
+    default model's 85 tensors against 0.12 ms for a loop, on this project's 2-core VM)."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for buffer, value in zip(buffers, values, strict=True):
+        if value.numel():
+            pair = by_device.setdefault(value.device, ([], []))
+            pair[0].append(buffer)
+            pair[1].append(value)
+    for device, (targets, sources) in by_device.items():
+        if device.type == "cpu":
+            torch._foreach_copy_(targets, sources)
+        else:  # device to host, one tensor at a time: the path run on an H200
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source)
 
 
 def _layout(value: torch.Tensor) -> Layout:

@@ -401,6 +401,34 @@ def test_async_save_keeps_channels_last_strides(tmp_path, saver) -> None:
     loaded_equal(tmp_path / "step_1.pt", state)
 
 
+def test_async_save_follows_leaves_whose_layout_changes_between_saves(tmp_path, saver) -> None:
+    """The writer's buffers are reused by leaf index while a leaf keeps its dtype, shape and
+    strides; one that changes any of them (or a leaf that is new) gets a buffer of its own.
+    A non-dense view is copied into a packed buffer and saved as its values."""
+    base = torch.arange(48, dtype=torch.float32)
+    states = [
+        {"a": torch.ones(2, 3), "b": base[::2], "c": torch.zeros(4, 3, 2, 2)},
+        {"a": torch.ones(3, 2) * 2, "b": base[1::2] * 3, "c": torch.zeros(4, 3, 2, 2) + 1},
+        {
+            "a": torch.ones(3, 2, dtype=torch.float64),
+            "b": base[::3],
+            "c": torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last),
+            "d": torch.arange(5),
+        },
+    ]
+    for step, state in enumerate(states, start=1):
+        saver.save({"model": state, "step": step}, tmp_path, step=step, keep=3, accuracy=None)
+        saver.wait()
+    for step, state in enumerate(states, start=1):
+        loaded = storage.load(tmp_path / f"step_{step}.pt", CPU)["model"]
+        assert loaded.keys() == state.keys()
+        for name, value in state.items():
+            assert torch.equal(loaded[name], value) and loaded[name].dtype == value.dtype, name
+    assert storage.load(tmp_path / "step_3.pt", CPU)["model"]["c"].is_contiguous(
+        memory_format=torch.channels_last
+    )
+
+
 def test_async_save_failure_is_raised_by_the_next_call(tmp_path, saver) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
