@@ -392,6 +392,41 @@ def dim0_rows(value: DTensor) -> tuple[int, int] | None:
     return start, stop
 
 
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` by name, non-persistent buffers included (a
+    state dict leaves those out), each shared tensor once."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def broadcast_module_from_main(
+    module: nn.Module, whole: dict[str, torch.Tensor] | None, info: DistInfo
+) -> None:
+    """Collective: give every rank's `module` (sharded or not, its tensors allocated but
+    holding anything) rank 0's values, which rank 0 passes as `whole`: its tensors by name
+    (`module_tensors`) from before sharding. Rank 0 sends each tensor whole, one at a time,
+    and every other rank keeps its rows of a sharded one, so no rank but rank 0 ever holds
+    the whole model."""
+    mine = module_tensors(module)
+    with torch.no_grad():
+        for name, own in mine.items():
+            if info.is_main:
+                assert whole is not None
+                full = whole[name].detach().to(info.device)
+            else:
+                full = torch.empty(own.shape, dtype=own.dtype, device=info.device)
+            dist.broadcast(full, src=0)
+            if info.is_main:
+                continue  # its shards were cut from these very values
+            if isinstance(own, DTensor):
+                rows = dim0_rows(own)
+                if rows is None:
+                    raise ValueError(
+                        f"{name}: a {own.placements} layout, not rows of dim 0 (fsdp, hybrid)"
+                    )
+                full = full[rows[0] : rows[1]]
+            local_tensor(own).copy_(full)
+
+
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a view of its storage); any other tensor itself."""
     return value.to_local() if isinstance(value, DTensor) else value

@@ -213,7 +213,9 @@ def parallelize(
     nvtx: bool = False,
 ) -> Parallel:
     """Wrap `model` (on this rank's device, the same weights on every rank) as dist.strategy
-    says, then compile the result when `compile` is set."""
+    says, then compile the result when `compile` is set. Under fsdp and hybrid only rank 0's
+    model needs its values (on the host; the others' may be on the meta device): every rank
+    gets its shards of rank 0's, as DDP gives every rank rank 0's weights."""
     strategy = cfg.strategy
     timer: AllReduceTimer | None = None
     mesh = None
@@ -222,7 +224,16 @@ def parallelize(
             return_freed_host_memory(info)
         mesh = device_mesh(info, strategy)
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Rank 0's values, whole, from before sharding: the only copy of the whole model. The
+        # other ranks' models may be on the meta device (train.build_model): shapes only.
+        several = info.world_size > 1
+        values = distributed.module_tensors(model) if info.is_main and several else None
         units = shard(model, mesh, cfg)
+        if any(t.is_meta for t in distributed.module_tensors(model).values()):
+            model.to_empty(device=info.device)  # this rank's shards, uninitialised
+        if several:
+            distributed.broadcast_module_from_main(model, values, info)
+        del values
         mine = sum(
             distributed.local_tensor(p).numel() * p.element_size() for p in model.parameters()
         )

@@ -663,8 +663,16 @@ def build_model(
     (auto.channels_last)."""
     if channels_last is None:
         channels_last = auto.channels_last(cfg.model.channels_last, info.device)
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = models.build(cfg.model, splits.input_shape, splits.num_classes)
+    # Under fsdp and hybrid the ranks but rank 0 build on the meta device (shapes, no memory,
+    # no initialisation): parallelize gives them their shards of rank 0's weights, so only
+    # rank 0 ever holds the whole model.
+    meta = parallel.shards(cfg.dist.strategy) and not info.is_main
+    # The initial weights depend on train.seed alone; the build draws nothing from the ranks'
+    # own random streams (seed + rank), whatever the model's size or device.
+    devices = [info.device] if info.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        model = _build_on(torch.device("meta") if meta else None, cfg, splits)
     if cfg.model.norm == "syncbatch" and info.world_size > 1:
         if info.device.type != "cuda":
             # SyncBatchNorm.forward refuses CPU tensors ("expected input tensor to be on GPU
@@ -684,6 +692,24 @@ def build_model(
         return model
     memory_format = torch.channels_last if channels_last else torch.preserve_format
     return model.to(device=info.device, memory_format=memory_format)
+
+
+def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits) -> nn.Module:
+    """models.build with `device` as the default device (None: as it is). A model that cannot
+    be built on the meta device (an op without a meta kernel in its constructor) is built in
+    host memory instead: only the memory saving is lost."""
+    if device is None:
+        return models.build(cfg.model, splits.input_shape, splits.num_classes)
+    try:
+        with device:
+            return models.build(cfg.model, splits.input_shape, splits.num_classes)
+    except (NotImplementedError, RuntimeError) as err:
+        log.warning(
+            "the model could not be built on the %s device (%s): built in host memory",
+            device,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        return models.build(cfg.model, splits.input_shape, splits.num_classes)
 
 
 def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:

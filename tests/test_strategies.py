@@ -217,6 +217,82 @@ def test_accumulation_reduce_scatters_once_per_step_and_equals_the_big_batch(tmp
         torch.testing.assert_close(four[0][1][name], grad, atol=1e-6, rtol=1e-5)
 
 
+class _Buffered(nn.Module):
+    """A model with a non-persistent buffer (in no state dict) drawn at build time."""
+
+    def __init__(self, in_channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+        self.head = nn.Linear(16, num_classes)
+        self.register_buffer("mix", torch.randn(16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x.flatten(1)[:, :16] * self.mix))
+
+
+def buffered_model(*, in_channels: int, num_classes: int) -> nn.Module:
+    return _Buffered(in_channels, num_classes)
+
+
+def _build_sharded(info, factory: str) -> dict:
+    """train.build_model then parallelize under fsdp, as a Trainer does: what this rank built
+    on, its peak RSS growth, and the whole model gathered back (rank 0)."""
+    import importlib
+    import resource
+    from types import SimpleNamespace
+
+    import distributed
+    import parallel
+    import train
+
+    cfg = parse_args(["--dist.strategy=fsdp", f"--model.factory={factory}"])
+    splits = SimpleNamespace(input_shape=(1, 28, 28), num_classes=10)
+    importlib.import_module("torchvision.models")  # what building imports: 110 MB, not counted
+    importlib.import_module(factory.partition(":")[0])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stream = torch.get_rng_state()
+    model = train.build_model(cfg, splits, info)  # type: ignore[arg-type]
+    stream_kept = torch.equal(torch.get_rng_state(), stream)
+    built_on = {t.device.type for t in distributed.module_tensors(model).values()}
+    par = parallel.parallelize(model, info, cfg.dist)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak
+    whole = {
+        name: distributed.host_full_tensor(value.detach())
+        for name, value in distributed.module_tensors(par.bare).items()
+    }
+    return {"built_on": built_on, "grown": grown, "whole": whole, "stream_kept": stream_kept}
+
+
+@pytest.mark.spawn
+def test_only_rank_0_builds_the_whole_model_under_fsdp(tmp_path) -> None:
+    """Rank 1 builds on the meta device and receives its shards of rank 0's values, tensor by
+    tensor: its peak memory grows by its share, not by the whole model (wide_mlp, 202 MB:
+    rank 0 grows by more than the model, rank 1 by under 0.75 of it; measured 407 and 127
+    MB). Every parameter and
+    buffer, a non-persistent one included, equals a model built here with the same seed,
+    and the build leaves each rank's own random stream as it was."""
+    import parallel
+
+    wide = run_ranks(_build_sharded, 2, tmp_path, "examples.custom_model:wide_mlp")
+    model_bytes = 50_400_000 * 4
+    assert wide[0]["built_on"] == {"cpu"} and wide[1]["built_on"] == {"meta"}
+    print(
+        f"peak RSS growth: rank 0 {wide[0]['grown'] / 1e6:.0f} MB, rank 1 "
+        f"{wide[1]['grown'] / 1e6:.0f} MB (model {model_bytes / 1e6:.0f} MB)"
+    )
+    assert wide[0]["grown"] > model_bytes
+    assert wide[1]["grown"] < 0.75 * model_bytes
+    ranks = run_ranks(_build_sharded, 2, tmp_path, "test_strategies:buffered_model")
+    torch.manual_seed(0)  # train.seed's default
+    reference = parallel.distributed.module_tensors(buffered_model(in_channels=1, num_classes=10))
+    assert ranks[0]["whole"].keys() == reference.keys()
+    for rank in ranks:
+        for name, value in reference.items():
+            assert torch.equal(rank["whole"][name], value), name
+    # The build (rank 0's initialisation included) drew nothing from the rank's own stream.
+    assert all(rank["stream_kept"] for rank in (*ranks, *wide))
+
+
 # ---------------------------------------------------------------------------------------------
 # Fast: what is refused, by name, before any process group
 
