@@ -437,7 +437,8 @@ class TrainConfig(_Section):
     """autocast precision: auto = bf16 on CUDA devices that support it,
     none on CPU; fp16 adds a GradScaler"""
     seed: int = 0
-    """seed of model init, data order and augmentation (same on every rank)"""
+    """seed of model init, data order and augmentation (same on every rank);
+    each rank's own random stream (dropout) is seeded with seed + rank"""
     compile: Literal["auto", "on", "off"] = "auto"
     """wrap the model in torch.compile; auto = on CUDA, off on CPU"""
     cuda_fast_math: bool = True

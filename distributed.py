@@ -393,9 +393,15 @@ def dim0_rows(value: DTensor) -> tuple[int, int] | None:
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `module` by name, non-persistent buffers included (a
-    state dict leaves those out), each shared tensor once."""
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    """Every parameter and buffer of `module` under each of its names (a tied or shared
+    tensor under each), non-persistent buffers included (a state dict leaves those out),
+    detached: an alias that keeps the storage it has now, also after fully_shard moves the
+    parameter's data to the device."""
+    named = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    return {name: tensor.detach() for name, tensor in named}
 
 
 def broadcast_module_from_main(
@@ -405,13 +411,27 @@ def broadcast_module_from_main(
     holding anything) rank 0's values, which rank 0 passes as `whole`: its tensors by name
     (`module_tensors`) from before sharding. Rank 0 sends each tensor whole, one at a time,
     and every other rank keeps its rows of a sharded one, so no rank but rank 0 ever holds
-    the whole model."""
+    the whole model. The ranks first agree that their models have the same tensors (names,
+    shapes, dtypes): a factory that builds another model on another rank is named."""
     mine = module_tensors(module)
+    listing = [(name, tuple(t.shape), str(t.dtype)) for name, t in mine.items()]
+    theirs = broadcast_object(listing if info.is_main else None)
+    error: Exception | None = None
+    if listing != theirs:
+        differ = next(
+            (f"{a} against rank 0's {b}" for a, b in zip(listing, theirs, strict=False) if a != b),
+            f"{len(listing)} tensors against rank 0's {len(theirs)}",
+        )
+        error = ConfigError(
+            f"rank {info.rank} built another model than rank 0 ({differ}): the model factory "
+            "must build the same model on every rank"
+        )
+    raise_if_any_failed(info, error, "checking that every rank built the same model")
     with torch.no_grad():
         for name, own in mine.items():
             if info.is_main:
                 assert whole is not None
-                full = whole[name].detach().to(info.device)
+                full = whole[name].to(info.device)
             else:
                 full = torch.empty(own.shape, dtype=own.dtype, device=info.device)
             dist.broadcast(full, src=0)

@@ -696,20 +696,28 @@ def build_model(
 
 def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits) -> nn.Module:
     """models.build with `device` as the default device (None: as it is). A model that cannot
-    be built on the meta device (an op without a meta kernel in its constructor) is built in
-    host memory instead: only the memory saving is lost."""
+    be built on the meta device (an op without a meta kernel in its constructor, a check of
+    its forward that reads values), or that keeps a tensor as a plain attribute (neither a
+    parameter nor a buffer: nothing would give it values), is built in host memory instead:
+    only the memory saving is lost."""
     if device is None:
         return models.build(cfg.model, splits.input_shape, splits.num_classes)
     try:
         with device:
-            return models.build(cfg.model, splits.input_shape, splits.num_classes)
-    except (NotImplementedError, RuntimeError) as err:
-        log.warning(
-            "the model could not be built on the %s device (%s): built in host memory",
-            device,
-            str(err).splitlines()[0] if str(err) else type(err).__name__,
-        )
-        return models.build(cfg.model, splits.input_shape, splits.num_classes)
+            model = models.build(cfg.model, splits.input_shape, splits.num_classes)
+        plain = [
+            f"{prefix}.{key}" if prefix else key
+            for prefix, module in model.named_modules()
+            for key, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and value.is_meta
+        ]
+        if not plain:
+            return model
+        why = f"tensors that are not parameters or buffers: {', '.join(plain[:3])}"
+    except Exception as err:  # any failure: the host build says what is wrong, if anything
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+    log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
+    return models.build(cfg.model, splits.input_shape, splits.num_classes)
 
 
 def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:

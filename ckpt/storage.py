@@ -226,17 +226,23 @@ def save(
     return path
 
 
-def on_host(state: Any) -> Any:
-    """`state` with every tensor in host memory. torch.save records each tensor's device, and
-    `torch.load` without map_location puts it back there: a file saved from a GPU would not
-    load on a machine without one (seen on an H200: the writer process's copies were on the
-    host, the synchronous save's on cuda:0)."""
+def on_host(state: Any, _copies: dict[int, torch.Tensor] | None = None) -> Any:
+    """`state` with every tensor in host memory (a tensor that appears twice, copied once).
+    torch.save records each tensor's device, and `torch.load` without map_location puts it
+    back there: a file saved from a GPU would not load on a machine without one (seen on an
+    H200: the writer process's copies were on the host, the synchronous save's on cuda:0).
+    Host tensors are not copied."""
+    copies = {} if _copies is None else _copies
     if torch.is_tensor(state):
-        return state.detach().cpu()
+        if state.device.type == "cpu":
+            return state.detach()
+        if id(state) not in copies:
+            copies[id(state)] = state.detach().cpu()
+        return copies[id(state)]
     if isinstance(state, dict):
-        return {key: on_host(value) for key, value in state.items()}
+        return {key: on_host(value, copies) for key, value in state.items()}
     if isinstance(state, list | tuple) and not hasattr(state, "_fields"):
-        return type(state)(on_host(value) for value in state)
+        return type(state)(on_host(value, copies) for value in state)
     return state
 
 

@@ -234,7 +234,7 @@ def buffered_model(*, in_channels: int, num_classes: int) -> nn.Module:
     return _Buffered(in_channels, num_classes)
 
 
-def _build_sharded(info, factory: str) -> dict:
+def _build_sharded(info, factory: str, *extra: str) -> dict:
     """train.build_model then parallelize under fsdp, as a Trainer does: what this rank built
     on, its peak RSS growth, and the whole model gathered back (rank 0)."""
     import importlib
@@ -245,7 +245,7 @@ def _build_sharded(info, factory: str) -> dict:
     import parallel
     import train
 
-    cfg = parse_args(["--dist.strategy=fsdp", f"--model.factory={factory}"])
+    cfg = parse_args(["--dist.strategy=fsdp", f"--model.factory={factory}", *extra])
     splits = SimpleNamespace(input_shape=(1, 28, 28), num_classes=10)
     importlib.import_module("torchvision.models")  # what building imports: 110 MB, not counted
     importlib.import_module(factory.partition(":")[0])
@@ -291,6 +291,60 @@ def test_only_rank_0_builds_the_whole_model_under_fsdp(tmp_path) -> None:
             assert torch.equal(rank["whole"][name], value), name
     # The build (rank 0's initialisation included) drew nothing from the rank's own stream.
     assert all(rank["stream_kept"] for rank in (*ranks, *wide))
+
+
+class _Odd(nn.Module):
+    """Linear blocks with what a meta build cannot serve: a tensor kept as a plain attribute,
+    or a forward that reads a value (`.item()`), or weights tied across two FSDP units."""
+
+    def __init__(self, num_classes: int, kind: str) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        self.head = nn.Linear(16, num_classes)
+        self.kind = kind
+        if kind == "plain":
+            self.scale = torch.tensor(0.5)
+        if kind == "tied":
+            self.blocks[1].weight = self.blocks[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(x.flatten(1)[:, :16])
+        if self.kind == "plain":
+            h = h * self.scale
+        if self.kind == "reads" and h.abs().max().item() > 1e30:
+            raise FloatingPointError("diverged")
+        return self.head(h)
+
+
+def odd_model(*, in_channels: int, num_classes: int, kind: str) -> nn.Module:
+    return _Odd(num_classes, kind)
+
+
+def rank_dependent_model(*, in_channels: int, num_classes: int) -> nn.Module:
+    import torch.distributed as dist
+
+    width = 8 + dist.get_rank()
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(in_channels * 784, width), nn.Linear(width, num_classes)
+    )
+
+
+@pytest.mark.spawn
+def test_models_a_meta_build_cannot_serve_are_built_on_the_host_or_refused(tmp_path) -> None:
+    """A tensor kept as a plain attribute, a forward check that reads values: rank 1 builds in
+    host memory instead, and both ranks end with the weights built here. Weights tied across
+    two units: every name is broadcast (fully_shard unties them, as it always has). A factory
+    that builds another model on rank 1 is refused on every rank, naming the difference."""
+    for kind, extra in (("plain", ()), ("reads", ()), ("tied", ("--dist.fsdp_units=Linear",))):
+        factory = f'--model.kwargs={{"kind": "{kind}"}}'
+        ranks = run_ranks(_build_sharded, 2, tmp_path, "test_strategies:odd_model", factory, *extra)
+        assert ranks[1]["built_on"] == ({"meta"} if kind == "tied" else {"cpu"}), kind
+        torch.manual_seed(0)
+        reference = odd_model(in_channels=1, num_classes=10, kind=kind).state_dict()
+        for name, value in reference.items():
+            assert torch.equal(ranks[0]["whole"][name], value), (kind, name)
+    with pytest.raises(Exception, match="rank 1 built another model than rank 0"):
+        run_ranks(_build_sharded, 2, tmp_path, "test_strategies:rank_dependent_model")
 
 
 # ---------------------------------------------------------------------------------------------
