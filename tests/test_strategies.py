@@ -9,6 +9,7 @@ for bit with the uninterrupted run of the same strategy.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -234,11 +235,24 @@ def buffered_model(*, in_channels: int, num_classes: int) -> nn.Module:
     return _Buffered(in_channels, num_classes)
 
 
+def _peak_rss(reset: bool = False) -> int:
+    """This process's peak RSS in bytes: VmHWM, of its own address space. Not getrusage's
+    ru_maxrss, which Linux carries over exec (signal_struct's maxrss): a rank spawned from a
+    pytest process that had grown past 1 GB read that peak and measured no growth (CI).
+    `reset`: first bring the peak down to the current RSS (clear_refs "5", Linux 4.0)."""
+    if reset:
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
 def _build_sharded(info, factory: str, *extra: str) -> dict:
     """train.build_model then parallelize under fsdp, as a Trainer does: what this rank built
     on, its peak RSS growth, and the whole model gathered back (rank 0)."""
     import importlib
-    import resource
     from types import SimpleNamespace
 
     import distributed
@@ -249,13 +263,13 @@ def _build_sharded(info, factory: str, *extra: str) -> dict:
     splits = SimpleNamespace(input_shape=(1, 28, 28), num_classes=10)
     importlib.import_module("torchvision.models")  # what building imports: 110 MB, not counted
     importlib.import_module(factory.partition(":")[0])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss(reset=True)
     stream = torch.get_rng_state()
     model = train.build_model(cfg, splits, info)  # type: ignore[arg-type]
     stream_kept = torch.equal(torch.get_rng_state(), stream)
     built_on = {t.device.type for t in distributed.module_tensors(model).values()}
     par = parallel.parallelize(model, info, cfg.dist)
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak
+    grown = _peak_rss() - peak
     whole = {
         name: distributed.host_full_tensor(value.detach())
         for name, value in distributed.module_tensors(par.bare).items()
