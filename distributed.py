@@ -416,17 +416,19 @@ def broadcast_module_from_main(
     mine = module_tensors(module)
     listing = [(name, tuple(t.shape), str(t.dtype)) for name, t in mine.items()]
     theirs = broadcast_object(listing if info.is_main else None)
-    error: Exception | None = None
+    differ = None
     if listing != theirs:
         differ = next(
             (f"{a} against rank 0's {b}" for a, b in zip(listing, theirs, strict=False) if a != b),
             f"{len(listing)} tensors against rank 0's {len(theirs)}",
         )
-        error = ConfigError(
-            f"rank {info.rank} built another model than rank 0 ({differ}): the model factory "
-            "must build the same model on every rank"
+    # Every rank raises the same error, naming every rank that differs: rank 0's log says it.
+    reports = [(rank, d) for rank, d in enumerate(all_gather_object(differ)) if d is not None]
+    if reports:
+        raise ConfigError(
+            "; ".join(f"rank {rank} built another model than rank 0 ({d})" for rank, d in reports)
+            + ": the model factory must build the same model on every rank"
         )
-    raise_if_any_failed(info, error, "checking that every rank built the same model")
     with torch.no_grad():
         for name, own in mine.items():
             if info.is_main:
