@@ -362,13 +362,23 @@ class Trainer:
             zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
             sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
             probe = self.model
-            if parallel.is_sharded(self.model):  # a copy of a shard cannot run alone: count
-                with torch.device("meta"):  # on the same model built without storage
-                    probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
-                sample = sample.to("meta")
-            self.instruments.count_flops(
-                probe, sample, self.loss_fn, self.amp_dtype or torch.float32
-            )
+            sharded = parallel.is_sharded(self.model)
+            try:
+                if sharded:  # a copy of a shard cannot run alone: count on the same model
+                    with torch.device("meta"):  # built without storage
+                        probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
+                    sample = sample.to("meta")
+                self.instruments.count_flops(
+                    probe, sample, self.loss_fn, self.amp_dtype or torch.float32
+                )
+            except Exception as err:
+                if not sharded:
+                    raise
+                # A forward that reads values (.item(), data-dependent control flow) cannot
+                # run on the meta device: the run trains, without an MFU figure.
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                if self.info.is_main:
+                    log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)
 
     def load_weights(self, path: str) -> None:
         """Start from the weights in `path` (model.weights), on every rank (collective: a rank
