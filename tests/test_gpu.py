@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import launch, rows
+from helpers import final_state, launch, rows
+from test_strategies import (
+    TOLERANCE,
+    assert_same_model_and_optimizer,
+    copy_checkpoint,
+    max_difference,
+)
 
 import auto
 
@@ -170,9 +176,6 @@ def _strategy_run(run_dir, strategy: str, *extra: str, faults: str | None = None
 def test_every_strategy_on_one_gpu_trains_as_ddp_does(tmp_path) -> None:
     """fp32 with deterministic kernels, no TF32: zero, fsdp and hybrid at world size 1 on NCCL
     end where ddp ends, within the CPU test's tolerance for 2 ranks."""
-    from helpers import final_state
-    from test_strategies import TOLERANCE, max_difference
-
     exact = ("--model.norm=group", "--train.amp=none", "--train.cuda_fast_math=false")
     states = {}
     for strategy in ("ddp", "zero", "fsdp", "hybrid"):
@@ -199,9 +202,6 @@ def test_a_gpu_run_resumed_with_async_saves_continues_and_its_checkpoint_loads_o
     tensors: `torch.load(weights_only=True)` without map_location reads it anywhere. The step 5
     checkpoint written on the GPU then continues on the CPU under ddp at 2 gloo ranks, every
     sample of each epoch seen once (the ledger's digest equals the GPU run's)."""
-    from helpers import final_state
-    from test_strategies import assert_same_model_and_optimizer, copy_checkpoint
-
     every, amp = "--ckpt.every_steps=5", "--train.amp=bf16"
     full, run_dir, cpu = tmp_path / "full", tmp_path / "run", tmp_path / "cpu"
     proc = _strategy_run(full, strategy, every, amp)
