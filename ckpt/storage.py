@@ -467,17 +467,24 @@ def _flatten(state: Any, marker: str = "__tensor__") -> tuple[Any, list[tuple[st
     """(skeleton, leaves): `state` with each tensor replaced by {marker: its index in
     leaves}, and the leaves as (name, tensor), the name its path of keys. A state that holds
     skeletons itself (a sharded checkpoint's meta, on its way to a writer process) is
-    flattened with another marker."""
+    flattened with another marker.
+
+    On the path of every asynchronous save's hand-over (training waits for it): plain values
+    are kept without a call or a name of their own."""
     leaves: list[tuple[str, Any]] = []
+    plain, tensor_type = _PLAIN_TYPES, torch.Tensor
 
     def walk(value: Any, where: str) -> Any:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, tensor_type):
             leaves.append((where, value))
             return {marker: len(leaves) - 1}
         if isinstance(value, dict):
-            return {key: walk(item, f"{where}/{key}") for key, item in value.items()}
+            return {
+                key: item if type(item) in plain else walk(item, f"{where}/{key}")
+                for key, item in value.items()
+            }
         if isinstance(value, list | tuple):
-            if all(type(item) in _PLAIN for item in value):  # e.g. Python's RNG state: as is
+            if plain.issuperset(map(type, value)):  # e.g. Python's RNG state: as is
                 return value
             return type(value)(walk(item, f"{where}/{i}") for i, item in enumerate(value))
         return value
@@ -495,7 +502,7 @@ def _unflatten(skeleton: Any, tensors: dict[int, torch.Tensor], marker: str = "_
     return skeleton
 
 
-_PLAIN = (int, float, bool, str, type(None))
+_PLAIN_TYPES = frozenset((int, float, bool, str, type(None)))
 
 
 def _own_rows(value: Any) -> tuple[int, int, bool] | None:

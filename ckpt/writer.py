@@ -172,7 +172,7 @@ class ProcessSaver:
             self._socket.close()
             self._start()
         skeleton, leaves = storage._flatten(state, _MARKER)
-        values = [tensor.detach() for _, tensor in leaves]
+        values = [tensor for _, tensor in leaves]  # copied under no_grad: no detach needed
         signatures = [(v.dtype, v.shape, v.stride()) for v in values]
         buffers = self._buffers[: len(values)]
         buffers += [torch.empty(0)] * (len(values) - len(buffers))
@@ -275,6 +275,7 @@ class ProcessSaver:
         )
 
 
+@torch.no_grad()
 def _copy_all(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     """`buffer.copy_(value)` for each pair, host tensors in one foreach call (0.07 ms for the
     default model's 85 tensors against 0.12 ms for a loop, on this project's 2-core VM)."""
