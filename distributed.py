@@ -213,6 +213,10 @@ def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) 
     instead of a bare barrier: a failing rank would otherwise leave the others waiting in the
     barrier until the timeout.
     """
+    if not active():  # alone: no one to tell (and no tensor to build on every save)
+        if error is not None:
+            raise error
+        return
     failed = error is not None
     flags = torch.tensor([float(failed), float(failed and is_bad_input(error))], device=info.device)
     num_failed, num_bad_input = (int(v) for v in all_reduce_sum(flags).tolist())
