@@ -797,10 +797,12 @@ def strategy_entry(
     device_type: str,
     scratch: str,
     store: int,
+    async_stall: bool,
 ) -> None:
     """One of 2 spawned ranks under `strategy` (`store`: a file store of its own): bytes of
-    parameters, gradients and optimizer
-    state this rank holds after a step, its peak memory, and seconds per `steps` steps."""
+    parameters, gradients and optimizer state this rank holds after a step, its peak memory,
+    and seconds per `steps` steps; under fsdp the checkpoint timings too (the async stall
+    unless `async_stall` is false)."""
     import resource
 
     from config import DistConfig, ModelConfig, OptimConfig
@@ -858,10 +860,20 @@ def strategy_entry(
         report = {**held, "peak_bytes": peak, "peak_kind": peak_kind, "seconds": seconds}
         if strategy == "fsdp":  # after the peak: the saves' buffers are not training's
             report["checkpoint"] = time_checkpoints(info, par, optimizer, Path(scratch), rounds)
+            if async_stall:
+                sync_s = statistics.median(report["checkpoint"]["save_sharded_s"])
+                report["checkpoint"] |= time_async_stall(
+                    info, par, optimizer, Path(scratch), 3, step, sync_s
+                )
         gathered = distributed.all_gather_object(report)
         if rank == 0:
             (Path(scratch) / f"strategy-{strategy}.json").write_text(json.dumps(gathered))
-    finally:
+        # Every rank's figures are on disk: leave without gloo's C++ teardown, which has
+        # aborted a rank here ("terminate called without an active exception") as it does in
+        # the tests' spawned ranks under load (tests/helpers.py); the kernel closes the sockets.
+        dist.barrier()
+        os._exit(0)
+    finally:  # a failure: spawn reports this rank's exception
         distributed.teardown()
 
 
@@ -906,6 +918,67 @@ def time_checkpoints(
     return times
 
 
+def time_async_stall(
+    info: DistInfo,
+    par: Any,
+    optimizer: torch.optim.Optimizer,
+    scratch: Path,
+    rounds: int,
+    step: Callable[[], None],
+    sync_s: float,
+) -> dict[str, list[float]]:
+    """Collective, under fsdp: training steps with an asynchronous sharded save handed over
+    at their start (ckpt.async_save: each rank's writer process) vs the same steps without,
+    interleaved. A round spans enough steps to cover a synchronous save and ends once the
+    manifest is written, so a write that outlasts the steps counts in full; the stall is the
+    difference (prepare, the copy into shared memory, and the writers' competition for the
+    cores)."""
+    from ckpt import parts, writer
+
+    model_part, optim_part = parts.ModelState(par.bare), parts.OptimizerState(optimizer)
+    gather = distributed.all_gather_object
+
+    def agree(error: BaseException | None, what: str) -> None:
+        distributed.raise_if_any_failed(info, error, what)
+
+    started = time.perf_counter()
+    step()
+    steps = max(2, math.ceil(sync_s / (time.perf_counter() - started)) + 1)
+    saver = writer.ProcessSaver()
+    directory = scratch / "ckpt-async"
+    times: dict[str, list[float]] = {"steps_s": [], "steps_with_async_save_s": []}
+    times["async_handover_s"] = []
+    try:
+        for number in range(rounds + 1):  # round 0: warm-up (the writer's buffers)
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            plain = time.perf_counter() - started
+            dist.barrier()
+            started = time.perf_counter()
+            state = {
+                "model": model_part.sharded_state_dict(),
+                "optimizer": optim_part.sharded_state_dict(),
+                "step": number + 1,
+            }
+            plan = storage.prepare_sharded(state, directory, number + 1, info.rank, gather, agree)
+            saver.write_sharded(plan)
+            handover = time.perf_counter() - started
+            for _ in range(steps):
+                step()
+            written = saver.wait()
+            storage.finish_sharded(plan, written, None, 1, None, info.rank, gather, agree)
+            with_save = time.perf_counter() - started
+            if number:
+                times["steps_s"].append(plain)
+                times["steps_with_async_save_s"].append(with_save)
+                times["async_handover_s"].append(handover)
+    finally:
+        saver.close()
+    return times
+
+
 def measure_strategies(
     model_name: str,
     device: torch.device,
@@ -933,6 +1006,7 @@ def measure_strategies(
                     device.type,
                     str(scratch),
                     repeat,
+                    plan is not QUICK,  # the async stall: minutes more on 2 cores
                 ),
                 nprocs=2,
                 start_method="spawn",
@@ -967,6 +1041,21 @@ def measure_strategies(
             key: Spread.of([s for run in fsdp_runs for s in run[0]["checkpoint"][key]])
             for key in fsdp_runs[0][0]["checkpoint"]
         }
+        if "steps_s" in fsdp_runs[0][0]["checkpoint"]:
+            stalls = [
+                a - p
+                for run in fsdp_runs
+                for a, p in zip(
+                    run[0]["checkpoint"]["steps_with_async_save_s"],
+                    run[0]["checkpoint"]["steps_s"],
+                    strict=True,
+                )
+            ]
+            result["stall_s"] = Spread.of(stalls)
+            # Below the noise the difference can come out negative: no measurable stall.
+            sync = result["checkpoint"]["save_sharded_s"].median
+            result["stall_ratio"] = max(0.0, result["stall_s"].median) / sync
+            result["handover_ratio"] = result["checkpoint"]["async_handover_s"].median / sync
     return result
 
 
@@ -998,6 +1087,14 @@ def strategies_table(result: dict[str, Any]) -> str:
             f"{c['save_file_s'].show('{:.3f}')}; load sharded {c['load_sharded_s'].show('{:.3f}')}"
             f" vs one file {c['load_file_s'].show('{:.3f}')}"
         )
+        if "stall_ratio" in result:
+            lines.append(
+                f"async sharded save: stall {result['stall_s'].show('{:.3f}')} s over "
+                f"{c['steps_s'].median:.1f} s of steps, hand-over "
+                f"{c['async_handover_s'].show('{:.3f}')} s ({result['handover_ratio']:.2f} of a "
+                f"synchronous sharded save); stall / synchronous sharded save "
+                f"{result['stall_ratio']:.2f}"
+            )
     return "\n".join(lines)
 
 
