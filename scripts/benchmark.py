@@ -106,6 +106,7 @@ class Plan:
     scaling_steps: int  # optimizer steps per timed round of the spawned ranks
     min_round_s: float  # a matmul round lasts at least this long
     log_every_steps: int | None  # overrides log.every_steps (a round holds one log row)
+    quick: bool = False  # the smoke test's plan (kept by --repeats): the slowest parts left out
 
 
 FULL = Plan(
@@ -125,6 +126,7 @@ QUICK = Plan(
     scaling_steps=3,
     min_round_s=0.05,
     log_every_steps=5,
+    quick=True,
 )
 
 
@@ -872,6 +874,8 @@ def strategy_entry(
         # aborted a rank here ("terminate called without an active exception") as it does in
         # the tests' spawned ranks under load (tests/helpers.py); the kernel closes the sockets.
         dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
     finally:  # a failure: spawn reports this rank's exception
         distributed.teardown()
@@ -941,9 +945,14 @@ def time_async_stall(
     def agree(error: BaseException | None, what: str) -> None:
         distributed.raise_if_any_failed(info, error, what)
 
-    started = time.perf_counter()
+    def clock() -> float:  # after the device's queued work (CUDA runs ahead of the host)
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        return time.perf_counter()
+
+    started = clock()
     step()
-    steps = max(2, math.ceil(sync_s / (time.perf_counter() - started)) + 1)
+    steps = max(2, math.ceil(sync_s / (clock() - started)) + 1)
     saver = writer.ProcessSaver()
     directory = scratch / "ckpt-async"
     times: dict[str, list[float]] = {"steps_s": [], "steps_with_async_save_s": []}
@@ -951,12 +960,12 @@ def time_async_stall(
     try:
         for number in range(rounds + 1):  # round 0: warm-up (the writer's buffers)
             dist.barrier()
-            started = time.perf_counter()
+            started = clock()
             for _ in range(steps):
                 step()
-            plain = time.perf_counter() - started
+            plain = clock() - started
             dist.barrier()
-            started = time.perf_counter()
+            started = clock()
             state = {
                 "model": model_part.sharded_state_dict(),
                 "optimizer": optim_part.sharded_state_dict(),
@@ -964,12 +973,12 @@ def time_async_stall(
             }
             plan = storage.prepare_sharded(state, directory, number + 1, info.rank, gather, agree)
             saver.write_sharded(plan)
-            handover = time.perf_counter() - started
+            handover = clock() - started
             for _ in range(steps):
                 step()
             written = saver.wait()
             storage.finish_sharded(plan, written, None, 1, None, info.rank, gather, agree)
-            with_save = time.perf_counter() - started
+            with_save = clock() - started
             if number:
                 times["steps_s"].append(plain)
                 times["steps_with_async_save_s"].append(with_save)
@@ -991,7 +1000,7 @@ def measure_strategies(
     memory is a process's), the strategies' turns interleaved over rounds (one with --quick)."""
     per_strategy: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
     steps = max(2, plan.scaling_steps // 4)
-    for repeat in range(1 if plan is QUICK else max(2, plan.repeats // 2)):
+    for repeat in range(1 if plan.quick else max(2, plan.repeats // 2)):
         order = STRATEGIES if repeat % 2 == 0 else tuple(reversed(STRATEGIES))
         for strategy in order:
             mp.start_processes(
@@ -1006,7 +1015,7 @@ def measure_strategies(
                     device.type,
                     str(scratch),
                     repeat,
-                    plan is not QUICK,  # the async stall: minutes more on 2 cores
+                    not plan.quick,  # the async stall: minutes more on 2 cores
                 ),
                 nprocs=2,
                 start_method="spawn",
