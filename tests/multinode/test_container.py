@@ -81,6 +81,94 @@ def image_ids() -> set[str]:
     return set(out.split())
 
 
+# What a build of the image takes at its peak (measured with Podman 4.3 on Debian 12): the
+# environment stage's .venv (5.8 GB: torch's CUDA wheels) in its working container, its layer
+# again in the final stage's container, a third time as the tar Podman writes to /var/tmp to
+# commit each layer. 2026-11-25, a CI run failed its build with "no space left on device".
+BUILD_BYTES = 25 * 10**9
+STALE_S = 2 * 3600  # a build of this module's leftovers older than this has no process left
+BUILD_TMP = Path(os.environ.get("TMPDIR") or "/var/tmp")  # Podman's image_copy_tmp_dir
+
+
+def graph_root() -> Path:
+    out = subprocess.run(
+        ["podman", "info", "--format", "{{.Store.GraphRoot}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return Path(out.strip())
+
+
+def build_leftovers(older_than_s: float) -> tuple[set[str], set[str], set[Path]]:
+    """(working containers, images, temp dirs) older than `older_than_s` that a build may
+    leave: buildah's "<image>-working-container" containers (`podman ps --external`: podman ps
+    hides them), this module's images (localhost/ddp-test*), and the commit's temp dirs."""
+    out = subprocess.run(
+        ["podman", "ps", "--all", "--external", "--format", "json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    now = time.time()
+    containers = {
+        c["Id"]
+        for c in json.loads(out or "[]")
+        if any("-working-container" in n for n in c["Names"]) and now - c["Created"] >= older_than_s
+    }
+    out = subprocess.run(
+        ["podman", "images", "--format", "json", "--filter", "reference=localhost/ddp-test*"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    images = {i["Id"] for i in json.loads(out or "[]") if now - i["Created"] >= older_than_s}
+    tmp = {
+        path
+        for pattern in ("buildah*", "storage*")
+        for path in BUILD_TMP.glob(pattern)
+        if path.is_dir() and now - path.stat().st_mtime >= older_than_s
+    }
+    return containers, images, tmp
+
+
+def sweep_stale_builds() -> list[str]:
+    """Remove what builds of this module killed hours ago left (a killed pytest runs no
+    `finally`), then the dangling images that only they held. What it removed, for the log."""
+    containers, images, tmp = build_leftovers(STALE_S)
+    removed = []
+    if containers:
+        subprocess.run(["podman", "rm", "--force", *containers], capture_output=True)
+        removed.append(f"{len(containers)} build container(s)")
+    if images:
+        subprocess.run(["podman", "rmi", "--force", *images], capture_output=True)
+        removed.append(f"{len(images)} ddp-test image(s)")
+    for path in tmp:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    if containers or images:
+        until = f"until={STALE_S // 3600}h"
+        prune = ["podman", "image", "prune", "--force", "--filter", until]
+        subprocess.run(prune, capture_output=True)
+    return removed
+
+
+def require_build_space() -> None:
+    """Fail before building, naming where space is short, rather than with Podman's error deep
+    in a layer commit after minutes of building."""
+    short = []
+    for where in {graph_root(), BUILD_TMP}:
+        free = shutil.disk_usage(where).free
+        if free < BUILD_BYTES:
+            short.append(f"{where}: {free / 1e9:.1f} GB free")
+    if short:
+        pytest.fail(
+            f"a build of the image needs about {BUILD_BYTES / 1e9:.0f} GB free; "
+            + "; ".join(short)
+            + " (podman system df shows what Podman holds)"
+        )
+
+
 def extra_ca_certs(tmp: Path) -> dict[str, str]:
     """The host's own CA certificates (Debian keeps local ones in /usr/local/share), passed to
     the build as its explicit argument: some networks intercept HTTPS."""
@@ -100,9 +188,16 @@ def image(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
     if os.environ.get("DDP_TEST_IMAGE"):
         yield os.environ["DDP_TEST_IMAGE"]
         return
+    swept = sweep_stale_builds()
+    if swept:
+        pytestconfig.stash.setdefault(BUILD_TIMES, []).append(
+            "removed stale build leftovers: " + ", ".join(swept)
+        )
+    require_build_space()
     tag = uuid.uuid4().hex[:8]
     base, name = f"localhost/ddp-test-base:{tag}", f"localhost/ddp-test:{tag}"
     before = image_ids()
+    containers_before, _, tmp_before = build_leftovers(0)
     env = {**ENGINE_ENV, "BASE": base, **extra_ca_certs(tmp_path_factory.mktemp("ca"))}
     try:
         for script, arg in (("build_base.sh", base), ("build.sh", name)):
@@ -130,9 +225,17 @@ def image(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
             )
         yield name
     finally:
+        # A failed or killed build leaves its working containers (which hold its intermediate
+        # images) and the commit's temp dir behind: gigabytes each.
+        containers, _, tmp = build_leftovers(0)
+        containers -= containers_before
+        if containers:
+            subprocess.run(["podman", "rm", "--force", *containers], capture_output=True)
         leftover = image_ids() - before
         if leftover:
             subprocess.run(["podman", "rmi", "--force", *leftover], capture_output=True)
+        for path in tmp - tmp_before:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 STARTED: list[str] = []  # container names, removed after each test however it ends
