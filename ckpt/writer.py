@@ -50,6 +50,7 @@ import struct
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -277,8 +278,12 @@ class ProcessSaver:
 
 @torch.no_grad()
 def _copy_all(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """`buffer.copy_(value)` for each pair, host tensors in one foreach call (0.07 ms for the
-    default model's 85 tensors against 0.12 ms for a loop, on this project's 2-core VM)."""
+    """`buffer.copy_(value)` for each pair, in one foreach call per device (host tensors: 0.07
+    ms for the default model's 85 tensors against 0.12 ms for a loop, on this project's 2-core
+    VM). From a GPU, each buffer is page-locked once (`_pin`) and the copies are queued without
+    waiting, then waited for together: on an H100, 0.36 ms instead of 1.18 ms for the default
+    job's state, 7.0 ms instead of 36 ms for 293 MiB in 642 tensors (one blocking copy each
+    into pageable memory, the driver staging every one)."""
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for buffer, value in zip(buffers, values, strict=True):
         if value.numel():
@@ -286,11 +291,49 @@ def _copy_all(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
             pair[0].append(buffer)
             pair[1].append(value)
     for device, (targets, sources) in by_device.items():
-        if device.type == "cpu":
+        if device.type != "cuda":
             torch._foreach_copy_(targets, sources)
-        else:  # device to host, one tensor at a time: the path run on an H200
-            for target, source in zip(targets, sources, strict=True):
-                target.copy_(source)
+            continue
+        for target in targets:
+            _pin(target)
+        # Queued on the stream that produced the values, after their last kernel.
+        torch._foreach_copy_(targets, sources, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+
+
+_pinned: dict[int, int] = {}  # data_ptr: bytes of each buffer page-locked for the GPU now
+_pin_failed = False
+
+
+def _pin(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer`'s mapping for the CUDA driver (cudaHostRegister), once: a copy from
+    the GPU into it is then a direct, asynchronous transfer. It is unregistered when the buffer
+    is freed, before its memory is unmapped (a weakref callback runs in the tensor's
+    deallocation, before its storage is released). If the driver refuses, the buffer stays
+    pageable: the same bytes, copied more slowly."""
+    global _pin_failed
+    pointer, size = buffer.data_ptr(), buffer.untyped_storage().nbytes()
+    if not size or pointer in _pinned or _pin_failed:
+        return
+    code = int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0))
+    if code != 0:
+        _pin_failed = True
+        log.warning(
+            "could not page-lock the checkpoint buffers for the GPU (cudaHostRegister error "
+            "%d): copies from the GPU to the writer's buffers take the slower pageable path",
+            code,
+        )
+        return
+    _pinned[pointer] = size
+    weakref.finalize(buffer, _unpin, pointer)
+
+
+def _unpin(pointer: int) -> None:
+    if _pinned.pop(pointer, None) is None:
+        return
+    code = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    if code != 0:
+        log.warning("cudaHostUnregister of a checkpoint buffer failed (error %d)", code)
 
 
 def _layout(value: torch.Tensor) -> Layout:
