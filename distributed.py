@@ -198,6 +198,42 @@ class PeerError(RuntimeError):
         self.exit_code = exit_code
 
 
+# How a collective fails when another rank is gone: gloo raises plain RuntimeErrors
+# (third_party/gloo/gloo/transport/tcp/pair.cc: "Connection reset by peer", "Connection closed
+# by peer"); NCCL and the store raise errors of their own types.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_PEER_GONE_TYPES = tuple(
+    getattr(dist, name) for name in ("DistBackendError", "DistNetworkError") if hasattr(dist, name)
+)
+PEER_GRACE_S = 1.0
+
+
+def caused_by_a_peer(error: BaseException) -> bool:
+    """Whether `error` is another rank's failure seen from here: PeerError, or a collective
+    whose peer is gone."""
+    if isinstance(error, (PeerError, *_PEER_GONE_TYPES)):
+        return True
+    return any(text in str(error) for text in _PEER_GONE)
+
+
+def outlive_the_root_cause(error: BaseException) -> None:
+    """Before a rank exits on another rank's failure, give the launcher time to see that rank
+    end first. torchrun's "failed (exitcode: ..) local_rank: .." line names one failure: the
+    smallest timestamp, in whole seconds, among the ranks it found ended at one poll
+    (elastic/multiprocessing/api.py, `_poll`), every 0.1 s (run.py, --monitor-interval). A rank
+    SIGKILLed and the peer whose collective broke with it ended within one poll, tied, and
+    torchrun named the peer's "Connection closed by peer" (a CI run, 2026-11-26). torchrun
+    stops this rank once it has seen the other end, so the wait rarely runs out."""
+    if active() and caused_by_a_peer(error):
+        log.error(
+            "another rank failed (%s): exiting in %.0f s, so that the launcher reports that "
+            "rank's failure first",
+            type(error).__name__,
+            PEER_GRACE_S,
+        )
+        time.sleep(PEER_GRACE_S)
+
+
 def is_bad_input(error: BaseException) -> bool:
     """Errors that retrying cannot fix (train.py exits 2 for them): a config, file or
     checkpoint the user gave. Exception classes say so with `exit_code = 2`."""
