@@ -38,6 +38,7 @@ Host memory: the buffers hold one copy of the checkpointed tensors for the life 
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import json
 import logging
@@ -296,9 +297,10 @@ def _copy_all(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
             continue
         for target in targets:
             _pin(target)
-        # Queued on the stream that produced the values, after their last kernel.
-        torch._foreach_copy_(targets, sources, non_blocking=True)
-        torch.cuda.current_stream(device).synchronize()
+        try:  # queued on the stream that produced the values, after their last kernel
+            torch._foreach_copy_(targets, sources, non_blocking=True)
+        finally:  # also after a failure part way: no copy may land in a buffer freed since
+            torch.cuda.current_stream(device).synchronize()
 
 
 _pinned: dict[int, int] = {}  # data_ptr: bytes of each buffer page-locked for the GPU now
@@ -309,14 +311,19 @@ def _pin(buffer: torch.Tensor) -> None:
     """Page-lock `buffer`'s mapping for the CUDA driver (cudaHostRegister), once: a copy from
     the GPU into it is then a direct, asynchronous transfer. It is unregistered when the buffer
     is freed, before its memory is unmapped (a weakref callback runs in the tensor's
-    deallocation, before its storage is released). If the driver refuses, the buffer stays
+    deallocation, before its storage is released). If the driver refuses, the buffers stay
     pageable: the same bytes, copied more slowly."""
     global _pin_failed
     pointer, size = buffer.data_ptr(), buffer.untyped_storage().nbytes()
     if not size or pointer in _pinned or _pin_failed:
         return
+    if _cuda_runtime() is None:  # a refusal could not be cleared: do not ask
+        _pin_failed = True
+        log.info("no CUDA runtime library found: the checkpoint buffers stay pageable")
+        return
     code = int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0))
     if code != 0:
+        _cuda_clear_error()
         _pin_failed = True
         log.warning(
             "could not page-lock the checkpoint buffers for the GPU (cudaHostRegister error "
@@ -333,7 +340,29 @@ def _unpin(pointer: int) -> None:
         return
     code = int(torch.cuda.cudart().cudaHostUnregister(pointer))
     if code != 0:
+        _cuda_clear_error()
         log.warning("cudaHostUnregister of a checkpoint buffer failed (error %d)", code)
+
+
+@functools.cache
+def _cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process loaded with torch (found in /proc/self/maps;
+    dlopen of the same file returns the same library, with the same per-thread state)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split(maxsplit=5)[-1].strip()
+            if os.path.basename(path).startswith("libcudart.so"):
+                return ctypes.CDLL(path)
+    return None
+
+
+def _cuda_clear_error() -> int | None:
+    """cudaGetLastError: read and reset the runtime's last error; None where the runtime is not
+    a library of its own (then nothing can reset it). torch.cuda.cudart() returns a refusal's
+    code but leaves it set (C10_CUDA_ERROR_HANDLED), and torch's next kernel-launch check
+    (C10_CUDA_KERNEL_LAUNCH_CHECK: cudaGetLastError) would raise it in an unrelated kernel."""
+    runtime = _cuda_runtime()
+    return None if runtime is None else int(runtime.cudaGetLastError())
 
 
 def _layout(value: torch.Tensor) -> Layout:

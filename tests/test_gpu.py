@@ -271,6 +271,9 @@ def test_async_save_from_the_gpu_pins_its_buffers_and_copies_the_latest_values(
             "e": torch.empty(0, device=device),
         },
     ]
+    # The second state's layouts again: no buffer is made or registered (both wait for the
+    # device), so only the copies' own stream order keeps them behind the matmuls.
+    states.append({**states[1], "h": torch.ones(3) * 3})
     saver = writer.ProcessSaver()
     try:
         for step, state in enumerate(states, start=1):
@@ -278,6 +281,9 @@ def test_async_save_from_the_gpu_pins_its_buffers_and_copies_the_latest_values(
             for _ in range(12):  # about 2 TFLOP: still running when save() copies
                 product = product @ square / 64
             big.copy_(product.flatten()[: big.numel()] + step)
+            queued = torch.cuda.Event()
+            queued.record()
+            assert not queued.query()  # the matmuls are still running as save() starts
             saver.save({"model": state, "step": step}, tmp_path, step=step, keep=3, accuracy=None)
             saver.wait()
             expected = {name: value.cpu() for name, value in state.items()}
@@ -295,3 +301,27 @@ def test_async_save_from_the_gpu_pins_its_buffers_and_copies_the_latest_values(
     gc.collect()
     assert writer._pinned == {}  # every registration undone
     assert "cudaHostUnregister" not in caplog.text
+
+
+def test_a_refused_page_lock_leaves_the_buffers_pageable_and_training_unharmed(caplog) -> None:
+    """cudaHostRegister refused (here: the range is registered already, error 712) leaves
+    the runtime's last error set; torch's next kernel-launch check would raise it in an
+    unrelated kernel unless the writer resets it. The buffer is then copied into unpinned."""
+    from ckpt import writer
+
+    buffer = torch.empty(1 << 16)
+    cudart = torch.cuda.cudart()
+    assert (
+        int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.untyped_storage().nbytes(), 0)) == 0
+    )
+    try:
+        writer._pin(buffer)  # registers the same range again: refused
+        assert writer._pin_failed and buffer.data_ptr() not in writer._pinned
+        assert "could not page-lock" in caplog.text
+        (torch.ones(8, device="cuda") * 2).sum().item()  # kernels launch and check cleanly
+        source = torch.randn(1 << 16, device="cuda")
+        writer._copy_all([buffer], [source])
+        assert torch.equal(buffer, source.cpu())
+    finally:
+        writer._pin_failed = False
+        cudart.cudaHostUnregister(buffer.data_ptr())
