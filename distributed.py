@@ -222,12 +222,13 @@ def outlive_the_root_cause(error: BaseException) -> None:
     smallest timestamp, in whole seconds, among the ranks it found ended at one poll
     (elastic/multiprocessing/api.py, `_poll`), every 0.1 s (run.py, --monitor-interval). A rank
     SIGKILLed and the peer whose collective broke with it ended within one poll, tied, and
-    torchrun named the peer's "Connection closed by peer" (a CI run, 2026-11-26). torchrun
-    stops this rank once it has seen the other end, so the wait rarely runs out."""
+    torchrun named the peer's "Connection closed by peer" (a CI run, 2026-11-26). The wait
+    runs out in full (train.py's early handlers take torchrun's SIGTERM once training has
+    given the stop signals back): a second more before a restart."""
     if active() and caused_by_a_peer(error):
         log.error(
-            "another rank failed (%s): exiting in %.0f s, so that the launcher reports that "
-            "rank's failure first",
+            "another rank failed or is gone (%s): exiting in %.0f s, so that the launcher "
+            "reports that rank's failure first",
             type(error).__name__,
             PEER_GRACE_S,
         )

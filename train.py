@@ -935,9 +935,9 @@ def main(argv: list[str] | None = None) -> int:
         return exitcodes.EXIT_BAD_INPUT
     except distributed.PeerError as err:
         log.error("%s", err)
-        distributed.outlive_the_root_cause(err)
         if err.exit_code == exitcodes.EXIT_BAD_INPUT:
             report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        distributed.outlive_the_root_cause(err)
         return err.exit_code
     except Exception as err:
         if not parallel.is_out_of_memory(err):
