@@ -8,12 +8,14 @@ outside the image (same lock, same machine): equal weights, not just "it ran".
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -83,11 +85,23 @@ def image_ids() -> set[str]:
 
 # What a build of the image takes at its peak (measured with Podman 4.3 on Debian 12): the
 # environment stage's .venv (5.8 GB: torch's CUDA wheels) in its working container, its layer
-# again in the final stage's container, a third time as the tar Podman writes to /var/tmp to
-# commit each layer. 2026-11-25, a CI run failed its build with "no space left on device".
+# again in the final stage's container, a third time as the tar Podman writes to its temp dir
+# to commit each layer. 2026-11-26, a CI run failed its build with "no space left on device"
+# (stale leftovers of killed builds held 23 GB).
 BUILD_BYTES = 25 * 10**9
-STALE_S = 2 * 3600  # a build of this module's leftovers older than this has no process left
-BUILD_TMP = Path(os.environ.get("TMPDIR") or "/var/tmp")  # Podman's image_copy_tmp_dir
+STALE_S = 2 * 3600  # this module's build leftovers older than this have no process left
+# Each build gets a TMPDIR of its own here (Podman's default is /var/tmp itself; buildah's
+# internal/tmpdir takes TMPDIR first), removed after it, whatever the build's outcome.
+BUILD_TMP_ROOT = Path("/var/tmp")
+BUILD_TMP_PREFIX = "ddp-test-build-"
+CLEANUP_ERRORS = (OSError, ValueError, KeyError, subprocess.CalledProcessError)
+
+
+def podman_json(*args: str) -> list[dict]:
+    out = subprocess.run(
+        ["podman", *args, "--format", "json"], check=True, capture_output=True, text=True
+    ).stdout
+    return json.loads(out or "[]")
 
 
 def graph_root() -> Path:
@@ -100,56 +114,55 @@ def graph_root() -> Path:
     return Path(out.strip())
 
 
-def build_leftovers(older_than_s: float) -> tuple[set[str], set[str], set[Path]]:
-    """(working containers, images, temp dirs) older than `older_than_s` that a build may
-    leave: buildah's "<image>-working-container" containers (`podman ps --external`: podman ps
-    hides them), this module's images (localhost/ddp-test*), and the commit's temp dirs."""
-    out = subprocess.run(
-        ["podman", "ps", "--all", "--external", "--format", "json"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    now = time.time()
-    containers = {
-        c["Id"]
-        for c in json.loads(out or "[]")
-        if any("-working-container" in n for n in c["Names"]) and now - c["Created"] >= older_than_s
-    }
-    out = subprocess.run(
-        ["podman", "images", "--format", "json", "--filter", "reference=localhost/ddp-test*"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    images = {i["Id"] for i in json.loads(out or "[]") if now - i["Created"] >= older_than_s}
-    tmp = {
-        path
-        for pattern in ("buildah*", "storage*")
-        for path in BUILD_TMP.glob(pattern)
-        if path.is_dir() and now - path.stat().st_mtime >= older_than_s
-    }
-    return containers, images, tmp
+def working_containers() -> list[dict]:
+    """buildah's "<image>-working-container" containers, which a build removes when it ends
+    and a killed one leaves (`podman ps` lists them only with --external)."""
+    return [
+        c
+        for c in podman_json("ps", "--all", "--external")
+        if any("-working-container" in name for name in c["Names"])
+    ]
+
+
+def remove_containers_and_their_images(containers: list[dict]) -> None:
+    if containers:
+        subprocess.run(
+            ["podman", "rm", "--force", *(c["Id"] for c in containers)], capture_output=True
+        )
+        # the stage images they were made from; refused (kept) where anything else uses one
+        subprocess.run(["podman", "rmi", *{c["ImageID"] for c in containers}], capture_output=True)
 
 
 def sweep_stale_builds() -> list[str]:
     """Remove what builds of this module killed hours ago left (a killed pytest runs no
-    `finally`), then the dangling images that only they held. What it removed, for the log."""
-    containers, images, tmp = build_leftovers(STALE_S)
-    removed = []
-    if containers:
-        subprocess.run(["podman", "rm", "--force", *containers], capture_output=True)
-        removed.append(f"{len(containers)} build container(s)")
-    if images:
-        subprocess.run(["podman", "rmi", "--force", *images], capture_output=True)
-        removed.append(f"{len(images)} ddp-test image(s)")
-    for path in tmp:
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(str(path))
-    if containers or images:
-        until = f"until={STALE_S // 3600}h"
-        prune = ["podman", "image", "prune", "--force", "--filter", until]
-        subprocess.run(prune, capture_output=True)
+    `finally`): working containers made from a build's stage images (buildah names those
+    "<id>-tmp"; a user's `buildah from IMAGE` container is not one), this module's images
+    (localhost/ddp-test*) and build temp dirs. Best effort; what it removed, for the log."""
+    removed: list[str] = []
+    try:
+        now = time.time()
+        stale = [
+            c
+            for c in working_containers()
+            if c["Image"].endswith("-tmp:latest") and now - c["Created"] > STALE_S
+        ]
+        remove_containers_and_their_images(stale)
+        if stale:
+            removed.append(f"{len(stale)} build container(s)")
+        images = [
+            i["Id"]
+            for i in podman_json("images", "--filter", "reference=localhost/ddp-test*")
+            if now - i["Created"] > STALE_S
+        ]
+        if images:
+            subprocess.run(["podman", "rmi", "--force", *images], capture_output=True)
+            removed.append(f"{len(images)} ddp-test image(s)")
+        for path in BUILD_TMP_ROOT.glob(f"{BUILD_TMP_PREFIX}*"):
+            if now - path.stat().st_mtime > STALE_S:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(str(path))
+    except CLEANUP_ERRORS as err:
+        removed.append(f"(the sweep stopped: {err!r})")
     return removed
 
 
@@ -157,7 +170,7 @@ def require_build_space() -> None:
     """Fail before building, naming where space is short, rather than with Podman's error deep
     in a layer commit after minutes of building."""
     short = []
-    for where in {graph_root(), BUILD_TMP}:
+    for where in {graph_root(), BUILD_TMP_ROOT}:
         free = shutil.disk_usage(where).free
         if free < BUILD_BYTES:
             short.append(f"{where}: {free / 1e9:.1f} GB free")
@@ -197,11 +210,17 @@ def image(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
     tag = uuid.uuid4().hex[:8]
     base, name = f"localhost/ddp-test-base:{tag}", f"localhost/ddp-test:{tag}"
     before = image_ids()
-    containers_before, _, tmp_before = build_leftovers(0)
-    env = {**ENGINE_ENV, "BASE": base, **extra_ca_certs(tmp_path_factory.mktemp("ca"))}
+    build_tmp = Path(tempfile.mkdtemp(prefix=BUILD_TMP_PREFIX, dir=BUILD_TMP_ROOT))
+    env = {
+        **ENGINE_ENV,
+        "BASE": base,
+        "TMPDIR": str(build_tmp),
+        **extra_ca_certs(tmp_path_factory.mktemp("ca")),
+    }
     try:
         for script, arg in (("build_base.sh", base), ("build.sh", name)):
             started = time.monotonic()
+            containers_before = {c["Id"] for c in working_containers()}
             # A session of its own: a timeout stops podman build and debootstrap too.
             proc = subprocess.Popen(
                 ["bash", f"scripts/container/{script}", arg],
@@ -218,6 +237,12 @@ def image(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                # A failed or killed build leaves its working containers, which hold its stage
+                # images: gigabytes each. Those that appeared while it ran and outlived it.
+                with contextlib.suppress(*CLEANUP_ERRORS):
+                    remove_containers_and_their_images(
+                        [c for c in working_containers() if c["Id"] not in containers_before]
+                    )
             assert proc.returncode == 0, f"{script} failed:\n{out[-4000:]}\n{err[-4000:]}"
             # Build times belong in the CI log: tests/conftest.py prints them in the summary.
             pytestconfig.stash.setdefault(BUILD_TIMES, []).append(
@@ -225,17 +250,11 @@ def image(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config)
             )
         yield name
     finally:
-        # A failed or killed build leaves its working containers (which hold its intermediate
-        # images) and the commit's temp dir behind: gigabytes each.
-        containers, _, tmp = build_leftovers(0)
-        containers -= containers_before
-        if containers:
-            subprocess.run(["podman", "rm", "--force", *containers], capture_output=True)
-        leftover = image_ids() - before
-        if leftover:
-            subprocess.run(["podman", "rmi", "--force", *leftover], capture_output=True)
-        for path in tmp - tmp_before:
-            shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(*CLEANUP_ERRORS):
+            leftover = image_ids() - before
+            if leftover:
+                subprocess.run(["podman", "rmi", "--force", *leftover], capture_output=True)
+        shutil.rmtree(build_tmp, ignore_errors=True)
 
 
 STARTED: list[str] = []  # container names, removed after each test however it ends
