@@ -303,7 +303,7 @@ def _copy_all(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
             torch.cuda.current_stream(device).synchronize()
 
 
-_pinned: dict[int, int] = {}  # data_ptr: bytes of each buffer page-locked for the GPU now
+_pinned: set[int] = set()  # data_ptr of each buffer page-locked for the GPU now
 _pin_failed = False
 
 
@@ -331,13 +331,14 @@ def _pin(buffer: torch.Tensor) -> None:
             code,
         )
         return
-    _pinned[pointer] = size
+    _pinned.add(pointer)
     weakref.finalize(buffer, _unpin, pointer)
 
 
 def _unpin(pointer: int) -> None:
-    if _pinned.pop(pointer, None) is None:
+    if pointer not in _pinned:
         return
+    _pinned.remove(pointer)
     code = int(torch.cuda.cudart().cudaHostUnregister(pointer))
     if code != 0:
         _cuda_clear_error()

@@ -299,7 +299,7 @@ def test_async_save_from_the_gpu_pins_its_buffers_and_copies_the_latest_values(
     finally:
         saver.close()
     gc.collect()
-    assert writer._pinned == {}  # every registration undone
+    assert writer._pinned == set()  # every registration undone
     assert "cudaHostUnregister" not in caplog.text
 
 

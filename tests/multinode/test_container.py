@@ -90,8 +90,9 @@ def image_ids() -> set[str]:
 # (stale leftovers of killed builds held 23 GB).
 BUILD_BYTES = 25 * 10**9
 STALE_S = 2 * 3600  # this module's build leftovers older than this have no process left
-# Each build gets a TMPDIR of its own here (Podman's default is /var/tmp itself; buildah's
-# internal/tmpdir takes TMPDIR first), removed after it, whatever the build's outcome.
+# Each build gets a TMPDIR of its own here, removed after it, whatever the build's outcome.
+# Podman 4.3 makes its commit's temp dir there (default /var/tmp): with TMPDIR=/nonexistent/x
+# a `podman build` fails its COMMIT with "creating a temporary directory: stat /nonexistent/x".
 BUILD_TMP_ROOT = Path("/var/tmp")
 BUILD_TMP_PREFIX = "ddp-test-build-"
 CLEANUP_ERRORS = (OSError, ValueError, KeyError, subprocess.CalledProcessError)
