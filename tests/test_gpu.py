@@ -274,16 +274,25 @@ def test_async_save_from_the_gpu_pins_its_buffers_and_copies_the_latest_values(
     # The second state's layouts again: no buffer is made or registered (both wait for the
     # device), so only the copies' own stream order keeps them behind the matmuls.
     states.append({**states[1], "h": torch.ones(3) * 3})
+    # Every kernel the loop launches, launched once first: with CUDA's lazy module loading
+    # (the default since CUDA 12.2) a kernel's first launch loads its module, and that waits
+    # for the device. Without this, step 1 found its matmuls done before save() began.
+    torch.cuda._sleep(1000)
+    big.copy_((square @ square / 64).flatten()[: big.numel()] + 1)
+    torch.cuda.synchronize()
     saver = writer.ProcessSaver()
     try:
         for step, state in enumerate(states, start=1):
+            # The stream spins for about half a second (torch's test helper: a kernel that
+            # waits a number of clock cycles), then multiplies: the copies must queue after it.
+            torch.cuda._sleep(1_000_000_000)
             product = square
-            for _ in range(12):  # about 2 TFLOP: still running when save() copies
+            for _ in range(12):
                 product = product @ square / 64
             big.copy_(product.flatten()[: big.numel()] + step)
             queued = torch.cuda.Event()
             queued.record()
-            assert not queued.query()  # the matmuls are still running as save() starts
+            assert not queued.query(), step  # still running as save() starts
             saver.save({"model": state, "step": step}, tmp_path, step=step, keep=3, accuracy=None)
             saver.wait()
             expected = {name: value.cpu() for name, value in state.items()}
