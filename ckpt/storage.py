@@ -28,7 +28,7 @@ import pickle
 import re
 import shutil
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -550,6 +550,35 @@ def _pieces(
     return mine, every
 
 
+@contextlib.contextmanager
+def _without_record_crcs() -> Iterator[None]:
+    """torch.save without the CRC-32 of each record of its zip file, then as it was.
+
+    The manifest's CRC-32 covers every byte of the file already, and torch.load does not check
+    the records' CRCs (a flipped bit passes it: tests/test_checkpoint.py). Computing both was
+    a fifth of a save's CPU time: 108 ms against 84 ms for 100 MB, on this project's 2-core VM.
+    That time is taken from training wherever the writer process has no core of its own.
+    Zip tools (`unzip -t`) report the records' zeroed CRCs as wrong; torch.load reads the file.
+    Process-wide while it lasts (torch keeps the switch in a module): a torch.save in another
+    thread at that moment writes no record CRCs either. A torch release without the switch
+    (`torch.utils.serialization.config.save.compute_crc32`) computes them.
+    """
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        config = None
+    save_config = getattr(config, "save", None)
+    if save_config is None or not hasattr(save_config, "compute_crc32"):
+        yield
+        return
+    previous = save_config.compute_crc32
+    save_config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        save_config.compute_crc32 = previous
+
+
 def _write_checked(path: Path, payload: Any) -> tuple[Path, int, str]:
     """torch.save `payload` to a fsynced temporary file beside `path`; (that file, bytes,
     CRC-32). Verified before any manifest vouches for it: complete (the size on disk is what
@@ -559,7 +588,8 @@ def _write_checked(path: Path, payload: Any) -> tuple[Path, int, str]:
 
     def write(f: BinaryIO) -> None:
         writer = _HashingWriter(f)
-        torch.save(payload, writer)
+        with _without_record_crcs():
+            torch.save(payload, writer)
         hashed.append(writer)
         f.flush()
 

@@ -86,6 +86,49 @@ def test_checkpoint_loads_with_weights_only(tmp_path) -> None:
     assert set(state["model"]) == set(objs[0].state_dict())
 
 
+def _record_crcs(path: Path) -> list[int]:
+    """The CRC-32 each record of a torch.save zip file declares (read by Python's zipfile)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return [info.CRC for info in archive.infolist() if info.file_size]
+
+
+def test_checkpoints_carry_one_checksum_and_torch_save_is_left_as_it_was(tmp_path) -> None:
+    """Checkpoints are written without torch.save's CRC-32 of each zip record: the manifest's
+    CRC-32 of the whole file is the check (torch.load ignores the records' CRCs: see the
+    bitflip case above). The file still loads with weights_only and equals its state; the
+    manifest's CRC is that of the bytes on disk (zlib, independently); and torch.save outside
+    a checkpoint write, after a good one and after a failed one, computes record CRCs again."""
+    import zlib
+
+    from torch.utils.serialization import config
+
+    if not hasattr(getattr(config, "save", None), "compute_crc32"):
+        pytest.skip("this torch has no switch for the zip records' CRCs")
+    objs = training_objects()
+    state = state_of(objs, 1)
+    path = storage.save(state, tmp_path, step=1, keep=3, accuracy=None)
+    assert _record_crcs(path) and set(_record_crcs(path)) == {0}
+    manifest = json.loads(storage.manifest_path(path).read_text())
+    assert manifest["crc32"] == f"{zlib.crc32(path.read_bytes()):08x}"
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+
+    plain = tmp_path / "user.pt"
+    torch.save({"w": torch.arange(100.0)}, plain)
+    assert 0 not in _record_crcs(plain)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom during write")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        storage.save({"model": {}, "bad": Unpicklable()}, tmp_path, step=2, keep=3, accuracy=None)
+    torch.save({"w": torch.arange(100.0)}, plain)
+    assert 0 not in _record_crcs(plain) and config.save.compute_crc32
+
+
 def _save_from_ddp(info: DistInfo, run_dir: str) -> list[str]:
     from distributed import unwrap_model, wrap_model
 
