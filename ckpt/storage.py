@@ -555,12 +555,14 @@ def _without_record_crcs() -> Iterator[None]:
     """torch.save without the CRC-32 of each record of its zip file, then as it was.
 
     The manifest's CRC-32 covers every byte of the file already, and torch.load does not check
-    the records' CRCs (a flipped bit passes it: tests/test_checkpoint.py). Computing both was
-    a fifth of a save's CPU time: 108 ms against 84 ms for 100 MB, on this project's 2-core VM.
-    That time is taken from training wherever the writer process has no core of its own.
-    Zip tools (`unzip -t`) report the records' zeroed CRCs as wrong; torch.load reads the file.
-    Process-wide while it lasts (torch keeps the switch in a module): a torch.save in another
-    thread at that moment writes no record CRCs either. A torch release without the switch
+    the records' CRCs (a flipped bit in a tensor loads as a wrong value, without an error:
+    tests/test_checkpoint.py). Computing both cost a quarter of a save's CPU time: 62-65 ms
+    against 46-48 ms for 64 MiB on this project's 2-core VM (BENCHMARKS.md), time taken from
+    training wherever the writer process has no core of its own. Zip tools (`unzip -t`)
+    report the records' zeroed CRCs as wrong; torch.load reads the file. torch 2.14 keeps a
+    setting made this way per thread (a ContextVar in torch/utils/_config_module.py), so a
+    torch.save in another thread keeps its CRCs; a release that keeps it per process would
+    skip them there too while a checkpoint is written. A release without the switch
     (`torch.utils.serialization.config.save.compute_crc32`) computes them.
     """
     try:

@@ -96,16 +96,32 @@ def _record_crcs(path: Path) -> list[int]:
 
 def test_checkpoints_carry_one_checksum_and_torch_save_is_left_as_it_was(tmp_path) -> None:
     """Checkpoints are written without torch.save's CRC-32 of each zip record: the manifest's
-    CRC-32 of the whole file is the check (torch.load ignores the records' CRCs: see the
-    bitflip case above). The file still loads with weights_only and equals its state; the
-    manifest's CRC is that of the bytes on disk (zlib, independently); and torch.save outside
-    a checkpoint write, after a good one and after a failed one, computes record CRCs again."""
+    CRC-32 of the whole file is the check. The records' CRCs guard nothing on load: a bit
+    flipped in a tensor of a plain torch.save file, CRCs and all, loads with weights_only
+    (mmap or not) as a wrong value without an error. A checkpoint still loads and equals its
+    state; the manifest's CRC is that of the bytes on disk (zlib, independently); and
+    torch.save outside a checkpoint write, after a good one and after a failed one, computes
+    record CRCs again."""
+    import struct
     import zlib
 
-    from torch.utils.serialization import config
-
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        config = None
     if not hasattr(getattr(config, "save", None), "compute_crc32"):
         pytest.skip("this torch has no switch for the zip records' CRCs")
+    plain = tmp_path / "user.pt"
+    torch.save({"w": torch.full((256,), 1.0)}, plain)
+    assert 0 not in _record_crcs(plain)
+    raw = bytearray(plain.read_bytes())
+    at = raw.find(struct.pack("<256f", *[1.0] * 256))
+    raw[at + 2] ^= 0x01  # 1.0 -> 1.0000153 (a mantissa bit of the first value)
+    plain.write_bytes(bytes(raw))
+    for mmap in (False, True):
+        flipped = torch.load(plain, weights_only=True, mmap=mmap)["w"]
+        assert flipped[0].item() != 1.0 and torch.equal(flipped[1:], torch.full((255,), 1.0))
+
     objs = training_objects()
     state = state_of(objs, 1)
     path = storage.save(state, tmp_path, step=1, keep=3, accuracy=None)
@@ -115,7 +131,6 @@ def test_checkpoints_carry_one_checksum_and_torch_save_is_left_as_it_was(tmp_pat
     loaded = torch.load(path, weights_only=True)
     assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
 
-    plain = tmp_path / "user.pt"
     torch.save({"w": torch.arange(100.0)}, plain)
     assert 0 not in _record_crcs(plain)
 
