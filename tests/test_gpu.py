@@ -274,9 +274,11 @@ def test_async_save_from_the_gpu_pins_its_buffers_and_copies_the_latest_values(
     # The second state's layouts again: no buffer is made or registered (both wait for the
     # device), so only the copies' own stream order keeps them behind the matmuls.
     states.append({**states[1], "h": torch.ones(3) * 3})
-    # Every kernel the loop launches, launched once first: with CUDA's lazy module loading
-    # (the default since CUDA 12.2) a kernel's first launch loads its module, and that waits
-    # for the device. Without this, step 1 found its matmuls done before save() began.
+    # Every kernel the loop launches, launched once first. Without this, step 1 found its
+    # matmuls done before save() began on an H100, the sleep below notwithstanding; with it,
+    # every step found them running. The likely cause (not proven): with CUDA's lazy module
+    # loading (the default since CUDA 12.2) a kernel's first launch loads its module, and
+    # that waits for the device.
     torch.cuda._sleep(1000)
     big.copy_((square @ square / 64).flatten()[: big.numel()] + 1)
     torch.cuda.synchronize()
