@@ -50,9 +50,19 @@ ARGS = [
     "--dist.timeout_s=60",
     "--ckpt.keep=20",
 ]
-# Float rounding of 20 AdamW steps of a model whose weights are ~0.1: the strategies agree
-# with the 1-rank run to ~1e-6 (measured: 4.2e-7 for each of ddp, zero, fsdp and hybrid).
-TOLERANCE = 2e-5
+# How far two runs of the same math may end apart: the relative L2 difference of all the
+# weights (or all of one optimizer state), ||a - b|| / ||b||, after 20 AdamW steps. Rounding
+# alone does not stay at rounding's size here: once an activation sits at ReLU's kink or a
+# gradient element near zero, one run's rounding flips what the other computes and AdamW
+# (which divides by the root of each element's mean square) carries it on. Measured on a
+# 2-vCPU Intel Xeon (AVX-512), ARGS as below, seeds 0-4: one process with 2 micro-batches of
+# 24 against the same process with 4 of 12, the same math, ended up to 4.2e-5 apart (largest
+# element 1.3e-4); ddp at 2 ranks against one process up to 9.5e-5 (4.6e-4), each pair at
+# 8e-8 in the seeds without such an event. On an AMD EPYC, every strategy had ended within
+# 4.2e-7 (largest element) for seed 0. What the bound must catch ends far beyond it: one
+# process on half the global batch (a rank whose gradients were never averaged) 4.7e-2, a
+# learning rate 3% off (0.0031) 5.6e-3.
+TOLERANCE = 1e-3
 
 
 def train(run_dir: Path, nproc: int | None, strategy: str, *extra: str, base=ARGS) -> str:
@@ -77,6 +87,14 @@ def max_difference(a: dict, b: dict) -> float:
     return max((a[key].double() - b[key].double()).abs().max().item() for key in a)
 
 
+def relative_difference(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over every floating-point tensor of two state dicts."""
+    assert a.keys() == b.keys()
+    keys = [key for key in b if b[key].is_floating_point()]
+    apart = sum(((a[k].double() - b[k].double()) ** 2).sum().item() for k in keys)
+    return math.sqrt(apart / sum((b[k].double() ** 2).sum().item() for k in keys))
+
+
 def assert_same_model_and_optimizer(a: dict, b: dict) -> None:
     """Bit for bit: every weight of `a`'s model and every tensor of its optimizer state."""
     for key in a["model"]:
@@ -96,19 +114,21 @@ def test_every_strategy_at_two_ranks_trains_as_one_rank_on_the_full_batch(tmp_pa
         train(tmp_path / strategy, 2, strategy)
         state = final_state(tmp_path / strategy)
         assert state["step"] == 20, strategy
-        difference = max_difference(state["model"], reference["model"])
-        print(f"{strategy}: largest weight difference from 1 rank {difference:.1e}")
+        difference = relative_difference(state["model"], reference["model"])
+        largest = max_difference(state["model"], reference["model"])
+        print(f"{strategy}: weights {difference:.1e} apart from 1 rank (largest {largest:.1e})")
         assert difference < TOLERANCE, strategy
-        ema = max_difference(state["ema"]["weights"], reference["ema"]["weights"])
+        ema = relative_difference(state["ema"]["weights"], reference["ema"]["weights"])
         assert ema < TOLERANCE, strategy
         # The optimizer state in the same format under every strategy: whole tensors by
         # parameter index, as one process holds it.
         mine, theirs = state["optimizer"]["state"], reference["optimizer"]["state"]
         assert mine.keys() == theirs.keys(), strategy
-        for index in theirs:
-            for name in ("exp_avg", "exp_avg_sq"):
-                assert mine[index][name].shape == theirs[index][name].shape
-                assert torch.allclose(mine[index][name], theirs[index][name], atol=TOLERANCE)
+        for name in ("exp_avg", "exp_avg_sq"):
+            for index in theirs:
+                assert mine[index][name].shape == theirs[index][name].shape, (strategy, index)
+            moments = [{i: entry[name] for i, entry in both.items()} for both in (mine, theirs)]
+            assert relative_difference(*moments) < TOLERANCE, (strategy, name)
         evals = rows(tmp_path / strategy, "eval")
         assert [r["num_samples"] for r in evals] == [65, 65], strategy  # exact, no padding
         for mine_row, their_row in zip(evals, reference_eval, strict=True):
@@ -154,7 +174,7 @@ def test_an_fsdp_checkpoint_continues_under_any_world_size_and_strategy(tmp_path
         assert [r["epoch_sample_digest"] for r in rows(run_dir, "eval")] == digests
         state = final_state(run_dir)
         assert state["step"] == 20
-        assert max_difference(state["model"], reference["model"]) < TOLERANCE, strategy
+        assert relative_difference(state["model"], reference["model"]) < TOLERANCE, strategy
 
 
 # ---------------------------------------------------------------------------------------------
