@@ -52,9 +52,9 @@ ARGS = [
 ]
 # How far two runs of the same math may end apart: the relative L2 difference of all the
 # weights (or all of one optimizer state), ||a - b|| / ||b||, after 20 AdamW steps. Rounding
-# alone does not stay at rounding's size here: once an activation sits at ReLU's kink or a
-# gradient element near zero, one run's rounding flips what the other computes and AdamW
-# (which divides by the root of each element's mean square) carries it on. Measured on a
+# alone does not stay at rounding's size here, likely because an activation at ReLU's kink or
+# a gradient element near zero turns one way in one run and the other way in the other, and
+# AdamW (which divides by the root of each element's mean square) carries it on. Measured on a
 # 2-vCPU Intel Xeon (AVX-512), ARGS as below, seeds 0-4: one process with 2 micro-batches of
 # 24 against the same process with 4 of 12, the same math, ended up to 4.2e-5 apart (largest
 # element 1.3e-4); ddp at 2 ranks against one process up to 9.5e-5 (4.6e-4), each pair at
