@@ -550,6 +550,17 @@ def _pieces(
     return mine, every
 
 
+def torch_save_config() -> Any:
+    """torch's settings for torch.save (`torch.utils.serialization.config.save`) where they
+    hold the switch for the records' CRCs (`compute_crc32`), else None."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return None
+    save_config = getattr(config, "save", None)
+    return save_config if hasattr(save_config, "compute_crc32") else None
+
+
 @contextlib.contextmanager
 def _without_record_crcs() -> Iterator[None]:
     """torch.save without the CRC-32 of each record of its zip file, then as it was.
@@ -565,12 +576,8 @@ def _without_record_crcs() -> Iterator[None]:
     skip them there too while a checkpoint is written. A release without the switch
     (`torch.utils.serialization.config.save.compute_crc32`) computes them.
     """
-    try:
-        from torch.utils.serialization import config
-    except ImportError:
-        config = None
-    save_config = getattr(config, "save", None)
-    if save_config is None or not hasattr(save_config, "compute_crc32"):
+    save_config = torch_save_config()
+    if save_config is None:
         yield
         return
     previous = save_config.compute_crc32
