@@ -1,8 +1,9 @@
 """Configuration: one frozen, documented dataclass per concern, composed into `Config`.
 
-Every field is documented by the attribute docstring below it (tyro's --help reads it), and
-every value is checked in `__post_init__` with a message naming the field, the value and the
-fix. `cli.py` reads the command line and TOML files into these dataclasses.
+Every field is documented by the attribute docstring below it (read for --help, and by
+scripts/config_docs.py for docs/configuration.md), and every value is checked in
+`__post_init__` with a message naming the field, the value and the fix. `cli.py` reads the
+command line and TOML files into these dataclasses.
 """
 
 from __future__ import annotations
