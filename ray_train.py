@@ -641,7 +641,8 @@ def print_result(result: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, str(REPO))
-    from config import ConfigError, parse_args
+    from cli import parse_args
+    from config import ConfigError
 
     try:
         cfg = parse_args(train_args)

@@ -16,7 +16,8 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
     import signal
 
     import exitcodes
-    from config import ConfigError, parse_args
+    from cli import parse_args
+    from config import ConfigError
 
     _EARLY_SIGNALS: list[int] = []
     if "--model.list" not in sys.argv:  # that prints the model names (main), nothing to check
@@ -66,6 +67,7 @@ import resilience
 import saturation
 from ckpt import parts, rundir, storage
 from ckpt.manager import CheckpointManager
+from cli import parse_args
 from config import (
     IGNORED,
     Config,
@@ -73,7 +75,6 @@ from config import (
     for_world_size,
     global_batch_size,
     load_factory,
-    parse_args,
 )
 from distributed import DistInfo
 from instruments import Instruments

@@ -69,12 +69,12 @@ import parallel  # noqa: E402
 import resilience  # noqa: E402
 import train  # noqa: E402
 from ckpt import storage, writer  # noqa: E402
+from cli import parse_args  # noqa: E402
 from config import (  # noqa: E402
     Config,
     ConfigError,
     for_world_size,
     global_batch_size,
-    parse_args,
 )
 from distributed import DistInfo  # noqa: E402
 

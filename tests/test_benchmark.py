@@ -18,7 +18,7 @@ from helpers import REPO
 
 import data
 import distributed
-from config import parse_args
+from cli import parse_args
 from distributed import DistInfo
 
 CPU = torch.device("cpu")

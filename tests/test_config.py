@@ -8,8 +8,9 @@ import sys
 import pytest
 from helpers import REPO, unboxed
 
-import config
-from config import Config, ConfigError, parse_args
+import cli
+from cli import parse_args
+from config import Config, ConfigError
 
 
 def rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
@@ -30,7 +31,7 @@ def help_text(capsys: pytest.CaptureFixture[str]) -> str:
 def test_defaults_validate_and_every_field_is_documented(capsys) -> None:
     Config()
     text = help_text(capsys)
-    for key in config.field_types():
+    for key in cli.field_types():
         # The key, its metavar, then words of documentation (not straight to the default).
         assert re.search(rf"--{re.escape(key)} \S+ [a-zA-Z]", text), f"{key} has no doc"
 
@@ -201,7 +202,7 @@ def test_missing_value_and_stray_argument(capsys) -> None:
 
 def test_help_lists_every_field_with_default(capsys) -> None:
     text = help_text(capsys)
-    for key in config.field_types():
+    for key in cli.field_types():
         assert re.search(rf"--{re.escape(key)} .*?\(default: ", text), key
     assert re.search(r"--model\.widths INT,\.\.\. .*?\(default: 16,32,64\)", text)
     assert "--data.augment {true,false}" in text and "--train.amp {auto,none,bf16,fp16}" in text

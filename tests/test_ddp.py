@@ -222,7 +222,8 @@ def test_ddp_knobs_keep_the_math(tmp_path, knobs, accum, tolerance) -> None:
 
 
 def test_static_graph_with_accumulation_is_refused(capsys) -> None:
-    from config import ConfigError, parse_args
+    from cli import parse_args
+    from config import ConfigError
 
     with pytest.raises(ConfigError):
         parse_args(["--dist.static_graph=true", "--train.grad_accum_steps=2"])

@@ -1153,7 +1153,7 @@ def test_each_manifest_trains_fsdp_by_one_more_argument(name) -> None:
     """The line each manifest documents (a commented `- --dist.strategy=fsdp` under the run's
     arguments) turns it into an fsdp job with sharded checkpoints: the arguments with it
     uncommented pass train.py's config as they are."""
-    from config import parse_args
+    from cli import parse_args
 
     text = (K8S / name).read_text()
     assert text.count("# - --dist.strategy=fsdp") == 1

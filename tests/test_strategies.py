@@ -24,7 +24,8 @@ from torch import nn
 
 import exitcodes
 from ckpt import storage
-from config import ConfigError, DistConfig, OptimConfig, parse_args
+from cli import parse_args
+from config import ConfigError, DistConfig, OptimConfig
 
 # Group norm: BatchNorm's batch statistics are per rank, so 2 ranks x 16 samples is not the
 # same model as 1 rank x 32 under any strategy; group norm is per sample.

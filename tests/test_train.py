@@ -14,7 +14,8 @@ import resilience
 import train
 from ckpt import parts, storage
 from ckpt.manager import FORMAT, CheckpointManager
-from config import Config, ConfigError, parse_args
+from cli import parse_args
+from config import Config, ConfigError
 from distributed import DistInfo
 
 CPU = torch.device("cpu")
@@ -400,7 +401,7 @@ def test_train_deterministic_turns_on_deterministic_kernels(monkeypatch) -> None
     """train.deterministic: torch's deterministic mode (warn only) and cuDNN's deterministic
     algorithms, with the cuBLAS workspace setting cuBLAS needs for it (read at its first
     handle); off by default. The GPU half is tests/test_gpu.py (resumes bit for bit)."""
-    from config import parse_args
+    from cli import parse_args
     from distributed import DistInfo
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # restored (or removed) afterwards
