@@ -303,11 +303,7 @@ def run_on_node_leaders_bounded(
     if not active():
         run_on_main(info, what, fn, per_node=True)
         return
-    import socket
-
-    hosts = all_gather_object((info.local_rank, socket.gethostname()))
-    leaders = [r for r, (local_rank, _) in enumerate(hosts) if local_rank == 0]
-    doers = ", ".join(f"rank {r} (local rank 0 on {hosts[r][1]})" for r in leaders)
+    doers = _node_leaders(info)
     grace = collective_grace_s(timeout_s)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + grace))
     error: Exception | None = None
@@ -318,6 +314,36 @@ def run_on_node_leaders_bounded(
             error = err
     flag = torch.tensor([float(error is not None)])
     work = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    _wait_bounded(info, work, what, doers, timeout_s, setting, progress_every_s)
+    work.wait()
+    num_failed = int(flag.item())
+    if error is not None:
+        raise error
+    if num_failed:
+        raise PeerError(f"{what} failed on {num_failed} other rank(s); see their errors")
+
+
+def _node_leaders(info: DistInfo) -> str:
+    """Collective: the ranks that are local rank 0 of their node, with their hosts, for
+    messages."""
+    import socket
+
+    hosts = all_gather_object((info.local_rank, socket.gethostname()))
+    leaders = [r for r, (local_rank, _) in enumerate(hosts) if local_rank == 0]
+    return ", ".join(f"rank {r} (local rank 0 on {hosts[r][1]})" for r in leaders)
+
+
+def _wait_bounded(
+    info: DistInfo,
+    work: dist.Work,
+    what: str,
+    doers: str,
+    timeout_s: float,
+    setting: str,
+    progress_every_s: float,
+) -> None:
+    """Poll `work` until it completes, logging progress every `progress_every_s`; past
+    `timeout_s`, PrepareTimeout naming the work, the ranks doing it and the setting."""
     started = time.monotonic()
     next_report = started + progress_every_s
     while not work.is_completed():
@@ -340,12 +366,6 @@ def run_on_node_leaders_bounded(
             )
             next_report += progress_every_s
         time.sleep(0.1)
-    work.wait()
-    num_failed = int(flag.item())
-    if error is not None:
-        raise error
-    if num_failed:
-        raise PeerError(f"{what} failed on {num_failed} other rank(s); see their errors")
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
