@@ -52,8 +52,8 @@ def compile_model(setting: str, device: torch.device) -> bool:
 
 def channels_last(setting: str, device: torch.device) -> bool:
     """model.channels_last: auto = on for CUDA (tensor cores read NHWC) and for CPUs with
-    AVX-512 (oneDNN's NHWC convolutions there: +22% to +54% samples/s for the default job on 2
-    cores, BENCHMARKS.md); off on other CPUs.
+    AVX-512 (oneDNN's NHWC convolutions there train the default job faster: BENCHMARKS.md,
+    "Overhead"); off on other CPUs.
 
     Why not every CPU: on an AVX2-only CPU (torch 2.14.1's oneDNN, kernel
     jit_avx2_1x1_convolution_bwd_weights_t) the weight gradient of a channels_last 1x1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -303,11 +304,7 @@ def run_on_node_leaders_bounded(
     if not active():
         run_on_main(info, what, fn, per_node=True)
         return
-    import socket
-
-    hosts = all_gather_object((info.local_rank, socket.gethostname()))
-    leaders = [r for r, (local_rank, _) in enumerate(hosts) if local_rank == 0]
-    doers = ", ".join(f"rank {r} (local rank 0 on {hosts[r][1]})" for r in leaders)
+    doers = _node_leaders(info)
     grace = collective_grace_s(timeout_s)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + grace))
     error: Exception | None = None
@@ -318,34 +315,48 @@ def run_on_node_leaders_bounded(
             error = err
     flag = torch.tensor([float(error is not None)])
     work = dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    started = time.monotonic()
-    next_report = started + progress_every_s
-    while not work.is_completed():
-        waited = time.monotonic() - started
-        if waited > timeout_s:
-            raise PrepareTimeout(
-                f"rank {info.rank} waited {waited:.0f} s for {what} by {doers}, longer than "
-                f"{setting}={timeout_s:g}: the preparation is too slow (a slow download?) or "
-                f"stuck. Raise {setting}, or prepare the data beforehand"
-            )
-        if time.monotonic() >= next_report:
-            log.warning(
-                "rank %d: still waiting for %s by %s (%.0f s of %s=%g)",
-                info.rank,
-                what,
-                doers,
-                waited,
-                setting,
-                timeout_s,
-            )
-            next_report += progress_every_s
-        time.sleep(0.1)
+    _wait_bounded(info.rank, work, f"{what} by {doers}", timeout_s, setting, progress_every_s)
     work.wait()
     num_failed = int(flag.item())
     if error is not None:
         raise error
     if num_failed:
         raise PeerError(f"{what} failed on {num_failed} other rank(s); see their errors")
+
+
+def _node_leaders(info: DistInfo) -> str:
+    """Collective: the ranks that are local rank 0 of a node, with their hosts, for messages."""
+    hosts = all_gather_object((info.local_rank, socket.gethostname()))
+    leaders = [r for r, (local_rank, _) in enumerate(hosts) if local_rank == 0]
+    return ", ".join(f"rank {r} (local rank 0 on {hosts[r][1]})" for r in leaders)
+
+
+def _wait_bounded(
+    rank: int, work: dist.Work, waiting_for: str, timeout_s: float, setting: str, every_s: float
+) -> None:
+    """Poll `work` until it completes, logging progress every `every_s`; past `timeout_s`,
+    PrepareTimeout naming what it waits for (the work and the ranks doing it) and `setting`."""
+    started = time.monotonic()
+    next_report = started + every_s
+    while not work.is_completed():
+        waited = time.monotonic() - started
+        if waited > timeout_s:
+            raise PrepareTimeout(
+                f"rank {rank} waited {waited:.0f} s for {waiting_for}, longer than "
+                f"{setting}={timeout_s:g}: the preparation is too slow (a slow download?) or "
+                f"stuck. Raise {setting}, or prepare the data beforehand"
+            )
+        if time.monotonic() >= next_report:
+            log.warning(
+                "rank %d: still waiting for %s (%.0f s of %s=%g)",
+                rank,
+                waiting_for,
+                waited,
+                setting,
+                timeout_s,
+            )
+            next_report += every_s
+        time.sleep(0.1)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

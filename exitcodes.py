@@ -6,26 +6,15 @@ but the standard library (no torch: the launchers import it in milliseconds); th
 scripts and manifests spell the numbers out and tests/test_exitcodes.py checks them against
 this file.
 
-Every code is in one of two classes a scheduler acts on:
+Every code is final (retrying the same command cannot help: 0 done, 2 bad input, 3 diverged,
+76 no progress; schedulers end the job on these) or retryable (anything else; 75, preempted,
+without spending a retry budget). An `OSError` is classed by its errno (`exit_for_os_error`),
+not by when it happens: a network filesystem's hiccup is 74; a wrong path, a permission, a
+full disk or quota is 2 (a retry would fail the same way). Under torchrun a worker's code
+becomes torchrun's 1; scripts/supervise.py turns it back into 2, 75 or 76 through the marker
+files below.
 
-- final: retrying the same command cannot help (0 done, 2 bad input, 3 diverged, 76 no
-  progress). Slurm's train.sbatch, the Kubernetes podFailurePolicy and ray_train.py end the
-  job on these.
-- retryable: anything else. 75 (preempted, the checkpoint is written) is retried without
-  spending a retry budget; the others (1 a crash, 4 stalled, 69 rendezvous not met, 74 transient
-  I/O, 128+N killed by signal N) spend one.
-
-An `OSError` is classed by its errno, not by when it happens (`exit_for_os_error`): a network
-filesystem's hiccup (EIO, ESTALE, ETIMEDOUT, ...) is 74 whether it hits the dataset at start-up
-or a periodic checkpoint; a wrong path or permission (ENOENT, EACCES, ...) is 2. A full disk or
-quota (ENOSPC, EDQUOT) is 2 too, named in the message: a retry on the same run dir redoes the
-work since the last checkpoint and fails the same way, spending the scheduler's retries within
-minutes; someone must free space first, and the same command then resumes.
-
-Under torchrun a worker's code becomes torchrun's 1; the launcher (scripts/supervise.py) turns
-it back into 2, 75 or 76 through the marker files below. 74 and 69 reach a scheduler as 74 or
-69 only without torchrun (`python train.py`, scripts/rendezvous_check.py); through torchrun they
-stay 1, which is retryable as well.
+Why each code is what it is, and what each launcher does with it: docs/fault-tolerance.md.
 """
 
 from __future__ import annotations

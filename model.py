@@ -433,6 +433,26 @@ def load_weights(model: nn.Module, path: str) -> None:
     first convolution for another number of input channels is fitted (`fit_stem_weight`).
     Anything else that does not fit is bad input naming the keys."""
     where = f"model.weights={path}"
+    state = _read_state(path, where)
+    own = model.state_dict()
+    kept, replaced, misshapen = _fit_to_model(model, own, state)
+    missing = [
+        key
+        for key in own
+        if key not in state and not key.endswith("num_batches_tracked")  # older files lack it
+    ]
+    unexpected = [key for key in state if key not in own]
+    dropped = _dropped_heads(model, unexpected)
+    unexpected = [key for key in unexpected if key not in dropped]
+    for key in dropped:
+        del kept[key]
+    _raise_unless_fits(where, missing, unexpected, misshapen)
+    distributed.load_full_state_dict(model, kept, strict=False)  # each rank its fsdp shard
+    _log_loaded(path, kept, replaced, dropped)
+
+
+def _read_state(path: str, where: str) -> dict[str, torch.Tensor]:
+    """The bare state dict in `path` (`_bare`), or bad input saying why there is none."""
     if not Path(path).is_file():
         raise ConfigError(f"{where}: the file does not exist")
     try:
@@ -441,7 +461,14 @@ def load_weights(model: nn.Module, path: str) -> None:
         raise ConfigError(f"{where} cannot be loaded (weights_only): {err}") from None
     if state is None:
         raise ConfigError(f"{where} holds no state dict (a dict of tensors by parameter name)")
-    own = model.state_dict()
+    return state
+
+
+def _fit_to_model(
+    model: nn.Module, own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """(the tensors to load, the classifier keys left as built, the misshapen keys described):
+    a tensor of the model's shape is kept, a stem fitted to the model's input channels."""
     classifier = _classifier_keys(model)
     stem = _first_conv(model)
     stem_key = f"{stem[0]}.weight" if stem else None
@@ -455,16 +482,13 @@ def load_weights(model: nn.Module, path: str) -> None:
             kept[key] = fit_stem_weight(value, own[key].shape[1])
         else:
             misshapen.append(f"{key} {tuple(value.shape)} (the model's: {tuple(own[key].shape)})")
-    missing = [
-        key
-        for key in own
-        if key not in state and not key.endswith("num_batches_tracked")  # older files lack it
-    ]
-    unexpected = [key for key in state if key not in own]
-    dropped = _dropped_heads(model, unexpected)
-    unexpected = [key for key in unexpected if key not in dropped]
-    for key in dropped:
-        del kept[key]
+    return kept, replaced, misshapen
+
+
+def _raise_unless_fits(
+    where: str, missing: list[str], unexpected: list[str], misshapen: list[str]
+) -> None:
+    """Bad input naming the first keys of each kind of misfit, if there is any."""
     problems = [
         f"{label}: {', '.join(keys[:8])}{f' and {len(keys) - 8} more' if len(keys) > 8 else ''}"
         for label, keys in (
@@ -476,7 +500,11 @@ def load_weights(model: nn.Module, path: str) -> None:
     ]
     if problems:
         raise ConfigError(f"{where} does not fit the model: {'; '.join(problems)}")
-    distributed.load_full_state_dict(model, kept, strict=False)  # each rank its fsdp shard
+
+
+def _log_loaded(
+    path: str, kept: dict[str, torch.Tensor], replaced: list[str], dropped: list[str]
+) -> None:
     log.info(
         "initialised the model from %s (%d tensors)%s",
         path,

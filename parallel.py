@@ -272,11 +272,10 @@ def return_freed_host_memory(info: DistInfo) -> bool:
 
     glibc raises the threshold to the size of any mapped block freed (up to 32 MiB), after
     which such blocks come from the heap, where freed memory stays resident between live
-    ones. Measured at 2 ranks (ResNet-50, AdamW, 3x64x64, batch 8): peak RSS above start
-    716 MB and still growing after 3 steps, vs ddp's 641 MB; with the fixed threshold 443 MB
-    (ddp: 607 MB). The price is speed on CPU (ResNet-50: 5.4 against 9.4 samples/s, every
-    block above the threshold mapped and unmapped; BENCHMARKS.md). A MALLOC_MMAP_THRESHOLD_
-    in the environment is left as the user set it.
+    ones: fsdp's peak RSS then grows step after step, past ddp's; with the fixed threshold
+    it stays below ddp's. The price is speed on CPU, every block above the threshold mapped
+    and unmapped (BENCHMARKS.md, "Strategies"). A MALLOC_MMAP_THRESHOLD_ in the environment
+    is left as the user set it.
     Returns whether the threshold was set."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False

@@ -1,28 +1,20 @@
 """Meet every node before torchrun does, and say exactly what is wrong when they do not meet.
 
-torchrun's own rendezvous reports a missing node as a bare `RendezvousTimeoutError`, and an
-unreachable MASTER_ADDR as a minutes-long connect retry. This check runs first on each node
-(from launch_multinode.sh): node 0 hosts a small TCP store on RDZV_CHECK_PORT and every node
-checks in with its NODE_RANK, NNODES and host name. Node 0 alone decides, by its own deadline
-(RDZV_JOIN_TIMEOUT seconds), and publishes one verdict that every node that arrived reads:
-all go on to torchrun, or all exit with the same message naming the endpoint, the nodes that
-arrived and the NODE_RANKs that did not.
-Node 0 also checks the address each node will advertise to torchrun's rendezvous (LOCAL_ADDR,
-else its fully qualified host name): nodes sharing one name, or a name that resolves to
-loopback or not at all on its node, would make torchrun's workers wait for unreachable peers
-with no message until a timeout; this check names them and LOCAL_ADDR instead.
-
-Node 0 also makes sure that MASTER_PORT, where torchrun's own rendezvous will listen, is free:
-a port held by another job would otherwise fail torchrun after this check passed. The message
-names the process holding it when /proc shows it (same user, or root).
+Runs first on each node (from launch_multinode.sh): node 0 hosts a small TCP store on
+RDZV_CHECK_PORT and every node checks in with its NODE_RANK, NNODES and host name. Node 0
+alone decides, by its own deadline (RDZV_JOIN_TIMEOUT seconds), and publishes one verdict that
+every node that arrived reads: all go on to torchrun, or all exit with the same message naming
+the endpoint, the nodes that arrived and the NODE_RANKs that did not. Node 0 also checks the
+address each node will advertise (LOCAL_ADDR, else its fully qualified host name) and that
+MASTER_PORT is free.
 
 Exit codes (exitcodes.py): 0 all arrived; 69 (EXIT_RENDEZVOUS, retryable: a node merely late
-or not yet reachable meets the next attempt) timeout, unreachable node 0, or node 0 gone; 2
-(EXIT_BAD_INPUT, final: the setup must change, and the message names the variable) a missing or
-malformed variable, MASTER_PORT or RDZV_CHECK_PORT in use on node 0, MASTER_ADDR not an
-address of node 0, duplicate NODE_RANK, NNODES differing between nodes, advertised addresses
-that do not lead back to their node. (It used 3 and 4 before, which are train.py's "diverged",
-final, and "stalled": a late node then failed the job for good.)
+meets the next attempt) timeout, unreachable node 0, or node 0 gone; 2 (EXIT_BAD_INPUT, final:
+the message names the variable) a missing or malformed variable, MASTER_PORT or
+RDZV_CHECK_PORT in use on node 0, MASTER_ADDR not an address of node 0, duplicate NODE_RANK,
+NNODES differing between nodes, advertised addresses that do not lead back to their node.
+
+Why torchrun's own rendezvous is not enough, and what each check prevents: docs/running.md.
 """
 
 from __future__ import annotations

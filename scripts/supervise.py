@@ -13,41 +13,9 @@ to wrap a torchrun command of your own. Exit codes:
     76  no progress: attempts keep starting from the same checkpoint; do not restart
     *   otherwise torchrun's own code (128 + N when a signal N killed it)
 
-What it does, and why:
-- Schedulers signal every process of a job, more than once, with mixed signals (Slurm: the
-  step signal, then KillWait's SIGKILL; scancel; the kubelet). The first stop signal
-  (SIGTERM, SIGINT, SIGHUP, SIGUSR2) that reaches this process becomes one SIGTERM to torchrun
-  and one to each of its workers (torchrun handles signals only once its workers run);
-  repeats are counted and dropped. torchrun runs in a process group of its own (a terminal's
-  Ctrl-C reaches it only through here) with SIGUSR2 ignored (it would die of it and orphan its
-  workers).
-- torchrun starts its workers in sessions of their own and may itself die (of a second signal,
-  of the OOM killer) before they have checkpointed. This process is a child subreaper (Linux),
-  so such workers become its children: it asks them to checkpoint and waits for every one of
-  them (at most SUPERVISE_GRACE_S, default 120 s, then SIGKILL) before it decides the exit
-  code: it never exits while a worker is still writing the checkpoint.
-- Workers can be signalled without this process (a scheduler that signals only them): they
-  checkpoint and exit 75, and torchrun, for which that is a failure, would restart them. Local
-  rank 0 of each node writes TRAIN_PREEMPT_MARKER after the checkpoint; once it is written
-  this process stops torchrun, and a worker started meanwhile exits 75 at once (train.py).
-- TRAIN_NO_PROGRESS_MARKER and TRAIN_BAD_INPUT_MARKER are written by train.py when it refuses
-  to go on (run.max_attempts_without_progress; a config, file or run dir it cannot use): this
-  process stops torchrun's pointless restarts and exits 76 or 2, whatever torchrun reports
-  (torchrun turns every worker failure into its own exit 1).
-- The preemption budget is SUPERVISE_GRACE_S for torchrun too. torchrun SIGKILLs its workers
-  TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after its own stop signal
-  (torch/distributed/launcher/api.py, LaunchConfig.__post_init__; SimpleElasticAgent.run's
-  `_shutdown(..., timeout=self._shutdown_timeout)`), so a longer grace here would mean nothing:
-  this process sets that variable to SUPERVISE_GRACE_S for the torchrun it starts, unless the
-  command or environment gives torchrun a timeout already (--shutdown-timeout,
-  PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT: then the smaller of the two is the
-  budget, and it says so). A torch without the setting (it came with pytorch PR #172596) is
-  named at start: its budget is 30 s. torchrun's restart path still stops a worker group with
-  30 s (LocalElasticAgent._stop_workers -> _shutdown(timeout=30) in torch 2.14): that is a
-  worker failure's path, not a preemption's, where every rank leaves after the same save.
-- torchrun dies with this process: it gets SIGTERM when this process dies, even of SIGKILL
-  (PR_SET_PDEATHSIG), and asks its workers to checkpoint and stop, within the same budget.
-  Nothing is left training and holding the run dir's lease; the same command resumes.
+SUPERVISE_GRACE_S (default 120 s) bounds the wait for the workers' preemption checkpoint,
+torchrun's shutdown timeout included. What it does with each signal, orphaned workers and
+the marker files, and why: docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
@@ -331,7 +299,7 @@ def requested_shutdown_timeout(command: list[str]) -> tuple[str, str] | None:
 
 
 def size_shutdown_timeout(command: list[str], grace_s: float) -> str:
-    """Give torchrun a shutdown timeout of SUPERVISE_GRACE_S (see the module's text); say what
+    """Give torchrun a shutdown timeout of SUPERVISE_GRACE_S (docs/fault-tolerance.md); say what
     the budget really is. Returns an error message for a setting torchrun would crash on."""
     python = torchrun_python(command)
     package = torch_source(python) if python else None
