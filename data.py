@@ -26,14 +26,14 @@ from inputs.loaders import (
     DeviceLoader,
     Encoded,
     Preprocess,
-    _collate_encoded,
-    _loader_options,
     close_loader,
+    collate_encoded,
+    loader_options,
     worker_pids,
 )
 from inputs.sampling import EpochSampler, ShardSampler
 from inputs.sources import (
-    _BUILDERS,
+    BUILDERS,
     DEBIAN_FASHION_MNIST,
     STATS,
     DatasetNotFoundError,
@@ -49,12 +49,13 @@ from inputs.user import (
     SPLITS,
     BadLabel,
     UserData,
-    _known_labels,
-    _user_data,
     check_labels,
     check_normalisation,
+    known_labels,
+    user_data,
 )
 
+# What other modules use from here: the interface, and the types and helpers it hands out.
 __all__ = [
     "DEBIAN_FASHION_MNIST",
     "STATS",
@@ -90,7 +91,7 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
     progress logged), then every rank loads. The wait ends for every rank also when
     preparation fails, so a missing dataset fails fast everywhere instead of hanging the others.
     """
-    builder = _user_data if cfg.factory else _BUILDERS[cfg.dataset]
+    builder = user_data if cfg.factory else BUILDERS[cfg.dataset]
     prepared: list[DataSplits] = []
 
     def prepare() -> None:
@@ -118,9 +119,9 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
         if given:
             check_normalisation("", f"data.{name}", given, splits.in_channels)
             splits = replace(splits, **{name: tuple(given)})
-    if not cfg.factory:  # a factory's are checked in _user_data, and served by LabelChecked
+    if not cfg.factory:  # a factory's are checked in user_data, and served by LabelChecked
         for split in SPLITS:
-            labels = _known_labels(getattr(splits, split))
+            labels = known_labels(getattr(splits, split))
             check_labels(f"{cfg.source}: {split}", labels, splits.num_classes)
     if cfg.subset:
         if cfg.subset > len(splits.train):  # type: ignore[arg-type]
@@ -183,10 +184,10 @@ def build_train_loader(
         assert base is not None, "auto.loader chose the device path for a dataset read from files"
         return DeviceLoader(base, sampler, cfg, seed, info.device)
     options = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": True}
-    options |= _loader_options(cfg, info, seed)
+    options |= loader_options(cfg, info, seed)
     if decode == "device":  # the decoders read pageable memory: nothing to pin
         options["pin_memory"] = False
-        encoded = DataLoader(Encoded(splits.train), collate_fn=_collate_encoded, **options)
+        encoded = DataLoader(Encoded(splits.train), collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
     return DataLoader(dataset, **options)
 
@@ -198,10 +199,10 @@ def build_eval_loader(
     `decode` says (see build_train_loader)."""
     sampler = ShardSampler(len(splits.eval), info)  # type: ignore[arg-type]
     options = {"batch_size": cfg.eval_batch_size, "sampler": sampler}
-    options |= _loader_options(cfg, info, seed)
+    options |= loader_options(cfg, info, seed)
     if decode == "device":
         options["pin_memory"] = False
-        encoded = DataLoader(Encoded(splits.eval), collate_fn=_collate_encoded, **options)
+        encoded = DataLoader(Encoded(splits.eval), collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, False, info.device, train=False)
     return DataLoader(splits.eval, **options)
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from inputs.sampling import _mix64
+from inputs.sampling import mix64
 from inputs.sources import folder_index, folder_of
 
 
@@ -38,7 +38,7 @@ class Augmented(Dataset):
         if not self.enabled:
             image, label = self.base[index]
             return image, label, index
-        h = _mix64(self.seed, epoch, index)
+        h = mix64(self.seed, epoch, index)
         folder = folder_of(self.base)
         if folder is not None:  # its own training crop and flip
             return (*folder.augmented_item(folder_index(self.base, index), h), index)

@@ -22,7 +22,7 @@ from config import DataConfig
 from distributed import DistInfo
 from inputs import imagefolder
 from inputs.augment import augment_batch
-from inputs.sampling import EpochSampler, _mix64, mix64_many
+from inputs.sampling import EpochSampler, mix64, mix64_many
 from inputs.sources import DataSplits, ImageTensors, folder_index, folder_of
 
 
@@ -43,7 +43,7 @@ def _init_worker(worker_id: int) -> None:
     np.random.seed(worker_seed)
 
 
-def _loader_options(cfg: DataConfig, info: DistInfo, seed: int) -> dict[str, Any]:
+def loader_options(cfg: DataConfig, info: DistInfo, seed: int) -> dict[str, Any]:
     options: dict[str, Any] = {
         "num_workers": cfg.num_workers,
         "pin_memory": info.device.type == "cuda",
@@ -118,7 +118,7 @@ class Encoded(Dataset):
         return (*self.folder.encoded_item(folder_index(self.base, index)), index)
 
 
-def _collate_encoded(
+def collate_encoded(
     batch: list[tuple[torch.Tensor, str, int, int]],
 ) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor, torch.Tensor]:
     """The files' bytes end to end in one tensor, with each file's size: one shared-memory
@@ -151,7 +151,7 @@ class DecodingLoader:
             encoded = torch.split(flat, sizes.tolist())
             keys = None
             if self.train and self.augment:
-                keys = [_mix64(self.seed, epoch, index) for index in indices.tolist()]
+                keys = [mix64(self.seed, epoch, index) for index in indices.tolist()]
             images, labels = self.folder.decode_batch(encoded, paths, labels, keys, self.device)
             yield (images, labels, indices) if self.train else (images, labels)
 
@@ -198,9 +198,9 @@ class Preprocess:
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
         # Change the layout while the batch is uint8 (a quarter of the bytes to move), then
-        # normalise in place: one float batch allocated instead of three. On a CPU a 224-px
-        # batch of 64 is 38 MB of float32, and each fresh allocation of that size is new
-        # pages to fault in: the out-of-place version took 2-3x as long as this one.
+        # normalise in place: one float batch allocated instead of three. On a CPU each fresh
+        # allocation of a float batch is new pages to fault in, which cost more than the
+        # arithmetic (BENCHMARKS.md, "Image folders").
         images = images.contiguous(memory_format=self.memory_format)
         if images.dtype != torch.uint8:  # a data.factory's float images: used as they are
             return images.float(), labels

@@ -16,7 +16,7 @@ from distributed import DistInfo
 _MASK64 = (1 << 64) - 1
 
 
-def _mix64(*values: int) -> int:
+def mix64(*values: int) -> int:
     """A well-mixed 64-bit hash of integers (splitmix64 finaliser), cheap in pure Python."""
     h = 0x9E3779B97F4A7C15
     for v in values:
@@ -30,7 +30,7 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def mix64_many(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
-    """`_mix64(seed, epoch, index)` for an array of indices (uint64 arithmetic wraps)."""
+    """`mix64(seed, epoch, index)` for an array of indices (uint64 arithmetic wraps)."""
     h = np.full(indices.shape, 0x9E3779B97F4A7C15, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for value in (

@@ -232,7 +232,7 @@ def _synthetic(cfg: DataConfig) -> DataSplits:
     )
 
 
-_BUILDERS = {
+BUILDERS = {
     "fashion_mnist": _fashion_mnist,
     "cifar10": _cifar10,
     "imagefolder": _imagefolder,

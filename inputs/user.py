@@ -49,7 +49,7 @@ class UserData:
     classes: tuple[str, ...] | None = None
 
 
-def _user_data(cfg: DataConfig) -> DataSplits:
+def user_data(cfg: DataConfig) -> DataSplits:
     """The datasets data.factory returns (`UserData`), checked on their first samples and on
     their labels, and served with checked labels (`LabelChecked`)."""
     where = f"data.factory={cfg.factory}"
@@ -76,7 +76,7 @@ def _user_data(cfg: DataConfig) -> DataSplits:
     splits = {}
     for split in SPLITS:
         dataset = getattr(made, split)
-        check_labels(f"{where}: {split}", _known_labels(dataset), num_classes)
+        check_labels(f"{where}: {split}", known_labels(dataset), num_classes)
         if in_memory_numel(dataset) is None:  # ImageTensors' labels are int64, all checked
             dataset = LabelChecked(dataset, f"{where}: {split}", num_classes)
         splits[split] = dataset
@@ -211,7 +211,7 @@ def as_label(value: Any) -> int | None:
     return _count(value)
 
 
-def _known_labels(dataset: Any) -> Sequence[Any] | torch.Tensor | None:
+def known_labels(dataset: Any) -> Sequence[Any] | torch.Tensor | None:
     """Every label of a dataset when they can be read without loading images: a list or tuple
     of samples, ImageTensors' `labels`, or the `labels` or `targets` attribute (one per sample)
     that torchvision's datasets and many others have; None when there is no such list."""
@@ -259,7 +259,7 @@ def check_labels(where: str, labels: Sequence[Any] | torch.Tensor | None, num_cl
     if labels is None:
         return
     if isinstance(labels, torch.Tensor) and labels.ndim == 1 and not labels.is_floating_point():
-        values = labels.long()  # every row at once: 60000 labels in a millisecond
+        values = labels.long()  # every row at once (BENCHMARKS.md, "Overhead")
     else:
         ints = [as_label(value) for value in labels]
         bad = next((i for i, value in enumerate(ints) if value is None), None)
@@ -284,7 +284,7 @@ def check_labels(where: str, labels: Sequence[Any] | torch.Tensor | None, num_cl
 
 class LabelChecked(Dataset):
     """A factory's dataset with each label checked and made an int as it is loaded: a label
-    `_known_labels` could not read ahead still fails naming its sample, not deep in the loss."""
+    `known_labels` could not read ahead still fails naming its sample, not deep in the loss."""
 
     def __init__(self, base: Dataset, where: str, num_classes: int) -> None:
         self.base, self.where, self.num_classes = base, where, num_classes

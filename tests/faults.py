@@ -225,13 +225,13 @@ def install(plan: Plan) -> None:
 
     # -- dataset preparation (local rank 0 of each node prepares) --
     rank = int(os.environ.get("RANK", "0"))
-    for name, builder in list(sources._BUILDERS.items()):
+    for name, builder in list(sources.BUILDERS.items()):
 
         def prepare(cfg: Any, builder: Callable = builder) -> Any:
             plan.fire("prepare", "begin", rank)
             return builder(cfg)
 
-        sources._BUILDERS[name] = prepare
+        sources.BUILDERS[name] = prepare
 
 
 def install_from_environment() -> None:

@@ -594,7 +594,7 @@ def test_a_bad_label_in_an_in_memory_dataset_is_named_before_training(monkeypatc
         splits.eval.labels[37] = 10  # type: ignore[attr-defined]
         return splits
 
-    monkeypatch.setitem(sources._BUILDERS, "synthetic", synthetic_with_a_bad_label)
+    monkeypatch.setitem(sources.BUILDERS, "synthetic", synthetic_with_a_bad_label)
     cfg = DataConfig(dataset="synthetic", synthetic_eval_size=64)
     with pytest.raises(
         ConfigError,

@@ -89,7 +89,7 @@ def _device_and_cpu_views(root, cuda):
     items = [images.encoded_item(i) for i in range(len(images))]
     encoded, paths, labels = ([item[k] for item in items] for k in range(3))
     labels = torch.tensor(labels)
-    keys = [sampling._mix64(1, 0, i) for i in range(len(images))]
+    keys = [sampling.mix64(1, 0, i) for i in range(len(images))]
     views = {}
     for name, view_keys in (("training crops", keys), ("evaluation views", None)):
         ours, _ = images.decode_batch(encoded, paths, labels, view_keys, cuda)

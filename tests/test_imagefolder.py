@@ -207,7 +207,7 @@ def test_device_decoding_gives_the_worker_path_pixels(tmp_path) -> None:
     n = len(images)
     items = [images.encoded_item(i) for i in range(n)]
     encoded, paths, labels = ([item[k] for item in items] for k in range(3))
-    keys = [sampling._mix64(7, 1, i) for i in range(n)]
+    keys = [sampling.mix64(7, 1, i) for i in range(n)]
     train, train_labels = images.decode_batch(encoded, paths, torch.tensor(labels), keys, CPU)
     evaluated, _ = images.decode_batch(encoded, paths, torch.tensor(labels), None, CPU)
     for i in range(n):
