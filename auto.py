@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-import imagefolder
 from config import Config, ConfigError
 from distributed import DistInfo
+from inputs import imagefolder
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import Spread  # noqa: E402
 
 import data  # noqa: E402
-import imagefolder  # noqa: E402
 from config import DataConfig  # noqa: E402
 from distributed import DistInfo  # noqa: E402
+from inputs import imagefolder  # noqa: E402
 
 CPU = torch.device("cpu")
 ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=CPU)

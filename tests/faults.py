@@ -154,9 +154,9 @@ def install(plan: Plan) -> None:
     """Wrap the production functions at the points the plan names."""
     from torch import nn
 
-    import data
     import train
     from ckpt import storage
+    from inputs import sources
 
     def is_checkpoint(path: Path) -> bool:  # a checkpoint file, or a file of a sharded one
         named = path.name.startswith("step_") or path.parent.name.startswith("step_")
@@ -225,13 +225,13 @@ def install(plan: Plan) -> None:
 
     # -- dataset preparation (local rank 0 of each node prepares) --
     rank = int(os.environ.get("RANK", "0"))
-    for name, builder in list(data._BUILDERS.items()):
+    for name, builder in list(sources.BUILDERS.items()):
 
         def prepare(cfg: Any, builder: Callable = builder) -> Any:
             plan.fire("prepare", "begin", rank)
             return builder(cfg)
 
-        data._BUILDERS[name] = prepare
+        sources.BUILDERS[name] = prepare
 
 
 def install_from_environment() -> None:

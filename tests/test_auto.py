@@ -92,7 +92,7 @@ def test_decoding_on_a_gpu_is_chosen_only_where_it_pays_and_works(monkeypatch, c
     """The CUDA branch of auto.decode, with the start-up check's verdict given: a folder of
     JPEG files on a decoder that works -> device; a failing check or a folder of mostly other
     formats -> the workers, saying why."""
-    import imagefolder
+    from inputs import imagefolder
 
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(imagefolder, "device_decoding_problem", lambda device: None)

@@ -19,6 +19,7 @@ import auto
 import data
 from config import ConfigError, DataConfig
 from distributed import DistInfo
+from inputs import sources
 
 CPU = torch.device("cpu")
 
@@ -187,7 +188,7 @@ def test_synthetic_is_deterministic_and_shaped() -> None:
 
 
 def test_missing_fashion_mnist_without_download_names_path_and_fix(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "absent")
+    monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST", tmp_path / "absent")
     cfg = DataConfig(root=str(tmp_path / "data"), download=False)
     with pytest.raises(data.DatasetNotFoundError) as err:
         data.build_datasets(cfg, seed=0, info=info())
@@ -589,11 +590,11 @@ def test_a_data_kwargs_typo_is_bad_input_naming_the_key(monkeypatch) -> None:
 
 def test_a_bad_label_in_an_in_memory_dataset_is_named_before_training(monkeypatch) -> None:
     def synthetic_with_a_bad_label(cfg: DataConfig) -> data.DataSplits:
-        splits = data._synthetic(cfg)
+        splits = sources._synthetic(cfg)
         splits.eval.labels[37] = 10  # type: ignore[attr-defined]
         return splits
 
-    monkeypatch.setitem(data._BUILDERS, "synthetic", synthetic_with_a_bad_label)
+    monkeypatch.setitem(sources.BUILDERS, "synthetic", synthetic_with_a_bad_label)
     cfg = DataConfig(dataset="synthetic", synthetic_eval_size=64)
     with pytest.raises(
         ConfigError,

@@ -83,13 +83,13 @@ def _smooth_folder(root) -> None:
 def _device_and_cpu_views(root, cuda):
     from test_imagefolder import CPU, folder
 
-    import data
+    from inputs import sampling
 
     images = folder(root, size=32)
     items = [images.encoded_item(i) for i in range(len(images))]
     encoded, paths, labels = ([item[k] for item in items] for k in range(3))
     labels = torch.tensor(labels)
-    keys = [data._mix64(1, 0, i) for i in range(len(images))]
+    keys = [sampling.mix64(1, 0, i) for i in range(len(images))]
     views = {}
     for name, view_keys in (("training crops", keys), ("evaluation views", None)):
         ours, _ = images.decode_batch(encoded, paths, labels, view_keys, cuda)
@@ -107,7 +107,7 @@ def test_batched_gpu_decoding_matches_the_cpu_decoder(tmp_path) -> None:
     for both, the difference is printed, not bounded (measured on an H200: mean 2.9 levels)."""
     from test_imagefolder import mixed_folder
 
-    import imagefolder
+    from inputs import imagefolder
 
     cuda = torch.device("cuda", 0)
     assert auto.decode("auto", True, cuda) == "device"

@@ -20,9 +20,9 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 import data
-import imagefolder
 from config import ConfigError, DataConfig
 from distributed import DistInfo
+from inputs import imagefolder, sampling
 
 CPU = torch.device("cpu")
 
@@ -207,7 +207,7 @@ def test_device_decoding_gives_the_worker_path_pixels(tmp_path) -> None:
     n = len(images)
     items = [images.encoded_item(i) for i in range(n)]
     encoded, paths, labels = ([item[k] for item in items] for k in range(3))
-    keys = [data._mix64(7, 1, i) for i in range(n)]
+    keys = [sampling.mix64(7, 1, i) for i in range(n)]
     train, train_labels = images.decode_batch(encoded, paths, torch.tensor(labels), keys, CPU)
     evaluated, _ = images.decode_batch(encoded, paths, torch.tensor(labels), None, CPU)
     for i in range(n):

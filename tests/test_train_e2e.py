@@ -25,7 +25,7 @@ from helpers import (
 )
 
 import data
-import imagefolder
+from inputs import imagefolder
 
 pytestmark = pytest.mark.e2e
 

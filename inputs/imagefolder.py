@@ -9,8 +9,8 @@ for two classes; it skips hidden entries and says what it left out.
 Every random choice of a training sample (the crop's area, aspect and place, the flip) comes
 from a hash of (seed, epoch, index), so a sample gets the same crop whichever rank or loader
 worker reads it, and a resumed run (on any world size) sees exactly the crops an uninterrupted
-one would have. Images stay uint8 until they reach the device (`data.Preprocess` normalises
-there): four times less to decode into, copy and collate than float.
+one would have. Images stay uint8 until they reach the device (inputs.loaders.Preprocess
+normalises there): four times less to decode into, copy and collate than float.
 
 Where the files are decoded is data.decode's choice (auto.decode). By default the loader
 workers decode them on the CPU (`ImageFolder.__getitem__`, `augmented_item`). With
@@ -394,7 +394,7 @@ def crop_box(
 
 class ImageFolder(Dataset):
     """`root/<class>/<image>` files as (uint8 image, label) pairs: eval view by index, the
-    training view through `augmented_item` (see data.Augmented)."""
+    training view through `augmented_item` (see inputs.augment.Augmented)."""
 
     def __init__(
         self,
