@@ -44,9 +44,6 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
 import contextlib
 import logging
 import os
-import socket
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,9 +58,8 @@ import engine
 import exitcodes
 import model as models
 import parallel
-import preflight
 import resilience
-import saturation
+from build import build_model, configure_cuda
 from ckpt import parts, rundir, storage
 from ckpt.manager import CheckpointManager
 from config import (
@@ -77,6 +73,15 @@ from config import (
 )
 from distributed import DistInfo
 from instruments import Instruments
+from launch import (
+    check_job,
+    check_progress,
+    holding_run_dir,
+    launch_was_preempted,
+    report_to_launcher,
+    warn_if_oversubscribed,
+    write_settled,
+)
 from metrics import MetricsWriter
 
 log = logging.getLogger("train")
@@ -604,7 +609,7 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building
+# The entry point
 
 
 def setup_logging(rank: int) -> None:
@@ -616,253 +621,6 @@ def setup_logging(rank: int) -> None:
         stream=sys.stderr,
         force=True,
     )
-
-
-def configure_cuda(cfg: Config, info: DistInfo) -> None:
-    """cudnn autotuning (fixed input shapes) and TF32 for fp32 matmuls and convolutions under
-    train.cuda_fast_math, and neither without it; deterministic kernels under
-    train.deterministic (measured on an H200: without them a resumed bf16 run drifted 5e-3
-    from the uninterrupted one, tests/test_gpu.py)."""
-    if cfg.train.deterministic:
-        # cuBLAS reads this when it creates its handle, at the first matmul: before that.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # warn_only: torchvision's models pool with AdaptiveAvgPool2d, whose CUDA backward has
-        # no deterministic kernel; refusing them would refuse the run.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.deterministic = True
-    if info.device.type != "cuda":
-        return
-    fast = cfg.train.cuda_fast_math
-    # Autotuning may pick another algorithm after a restart: a resumed run would differ.
-    torch.backends.cudnn.benchmark = fast and not cfg.train.deterministic
-    torch.backends.cuda.matmul.allow_tf32 = fast
-    # torch's own default for convolutions is TF32 (allow_tf32=True): off has to be said. On an
-    # H200 with it left on, fsdp and ddp at world size 1 ended 8e-3 apart in "fp32" (the
-    # unsharded weights live elsewhere, and cuDNN chose another TF32 algorithm).
-    torch.backends.cudnn.allow_tf32 = fast
-
-
-def check_job(cfg: Config, info: DistInfo, data_fingerprint: str, run_dir: Path) -> None:
-    """Collective checks before anything is built: every rank runs the same config on the same
-    data (preflight), the network's bandwidth, and a run dir every rank shares."""
-    if cfg.dist.preflight:
-        preflight.check(info, data_fingerprint, cfg.fingerprint())
-    if cfg.dist.preflight_bandwidth:
-        preflight.bandwidth(info)
-    # After preflight, so that a run.dir differing between nodes is reported as a config
-    # mismatch rather than as a run dir that is not shared.
-    check_run_dir_shared(info, run_dir)
-
-
-def warn_if_oversubscribed(cfg: Config, info: DistInfo, settings: auto.Auto) -> None:
-    """Once per node: more trainer processes and loader workers than the node has cores."""
-    if cfg.log.resources and info.local_rank == 0:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        workers = cfg.data.num_workers if settings.loader == "dataloader" else 0
-        crowded = saturation.oversubscribed(local_ranks, workers, saturation.available_cores())
-        if crowded:
-            log.warning("%s", crowded)
-
-
-def build_model(
-    cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
-) -> nn.Module:
-    """The model (model.name or model.factory) on this rank's device (under fsdp and hybrid:
-    in host memory, for parallelize to shard onto the device), the same initial
-    weights on every rank; in channels_last memory format as model.channels_last resolves
-    (auto.channels_last)."""
-    if channels_last is None:
-        channels_last = auto.channels_last(cfg.model.channels_last, info.device)
-    # Under fsdp and hybrid the ranks but rank 0 build on the meta device (shapes, no memory,
-    # no initialisation): parallelize gives them their shards of rank 0's weights, so only
-    # rank 0 ever holds the whole model.
-    meta = parallel.shards(cfg.dist.strategy) and not info.is_main
-    # The initial weights depend on train.seed alone; the build draws nothing from the ranks'
-    # own random streams (seed + rank), whatever the model's size or device.
-    devices = [info.device] if info.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        model = _build_on(torch.device("meta") if meta else None, cfg, splits)
-    if cfg.model.norm == "syncbatch" and info.world_size > 1:
-        if info.device.type != "cuda":
-            # SyncBatchNorm.forward refuses CPU tensors ("expected input tensor to be on GPU
-            # or XPU", torch/nn/modules/batchnorm.py). group is mini_resnet's only (config).
-            mini = not cfg.model.factory and cfg.model.name == models.MINI_RESNET
-            other = "batch or group" if mini else "batch"
-            raise ConfigError(
-                "model.norm=syncbatch needs CUDA devices (SyncBatchNorm runs on GPUs only); "
-                f"use model.norm={other} on CPU"
-            )
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if parallel.shards(cfg.dist.strategy):
-        # Left in host memory: fully_shard moves each unit to the device as it shards it, so
-        # the device holds one unit whole at a time, never the whole model. FSDP2 refuses
-        # channels_last parameters (the inputs may still be channels_last, and convolutions
-        # then run channels_last): the weights stay contiguous.
-        return model
-    memory_format = torch.channels_last if channels_last else torch.preserve_format
-    return model.to(device=info.device, memory_format=memory_format)
-
-
-def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits) -> nn.Module:
-    """models.build with `device` as the default device (None: as it is). A model that cannot
-    be built on the meta device (an op without a meta kernel in its constructor, a check of
-    its forward that reads values), or that keeps a tensor as a plain attribute (neither a
-    parameter nor a buffer: nothing would give it values), is built in host memory instead:
-    only the memory saving is lost."""
-    if device is None:
-        return models.build(cfg.model, splits.input_shape, splits.num_classes)
-    try:
-        with device:
-            model = models.build(cfg.model, splits.input_shape, splits.num_classes)
-        plain = [
-            f"{prefix}.{key}" if prefix else key
-            for prefix, module in model.named_modules()
-            for key, value in vars(module).items()
-            if isinstance(value, torch.Tensor) and value.is_meta
-        ]
-        if not plain:
-            return model
-        why = f"tensors that are not parameters or buffers: {', '.join(plain[:3])}"
-    except Exception as err:  # any failure: the host build says what is wrong, if anything
-        why = str(err).splitlines()[0] if str(err) else type(err).__name__
-    log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
-    return models.build(cfg.model, splits.input_shape, splits.num_classes)
-
-
-def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:
-    """Refuse to train unless every rank sees the files rank 0 writes in run.dir.
-
-    Rank 0 alone writes checkpoints and every rank reads them back on resume, so a run dir on
-    node-local disks would fail only at the first restart, hours in. Network filesystems may
-    show a new file late (attribute caching): each rank retries for `wait_s` seconds.
-    """
-    if info.world_size == 1:
-        return
-    token = distributed.broadcast_object(uuid.uuid4().hex if info.is_main else None)
-    marker = run_dir / f".shared-check-{token}"
-    distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
-
-    def visible() -> bool:
-        try:
-            return marker.is_file() and marker.read_text() == token
-        except OSError:  # e.g. ESTALE on NFS: treat as not (yet) visible, never skip the vote
-            return False
-
-    deadline = time.monotonic() + wait_s
-    while not visible() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    error = None
-    if not visible():
-        error = ConfigError(
-            f"run.dir={run_dir} is not shared: rank {info.rank} on {socket.gethostname()} "
-            f"cannot see {marker.name}, written there by rank 0. Checkpoints and resume need a "
-            "run.dir on storage every node mounts (NFS, Lustre, a ReadWriteMany volume)"
-        )
-    try:
-        distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
-    finally:  # every rank has voted, so none reads the marker any more
-        if info.is_main:
-            marker.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# The run dir and the launcher
-
-
-def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | None = None) -> None:
-    """Once resuming is settled: the config, and where an explicit ckpt.resume started the run
-    (restarts repeating the command then continue from the run's own checkpoints)."""
-    if lease is not None:
-        lease.check()  # another job took the run dir over: write nothing
-    payload = (cfg.to_json() + "\n").encode()
-    storage.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
-    resume = cfg.ckpt.resume
-    if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
-        run_dir, resume
-    ):
-        rundir.record_origin(run_dir, resume, step)
-
-
-def check_progress(
-    cfg: Config, info: DistInfo, step: int, lease: rundir.Lease | None = None
-) -> None:
-    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together."""
-    message = None
-    if info.is_main:
-        try:
-            if lease is not None:
-                lease.check()  # progress.json is written only while this job holds the dir
-            rundir.count_attempt(Path(cfg.run.dir), step, cfg.run.max_attempts_without_progress)
-        except rundir.NoProgress as err:
-            message = str(err)
-        # The count is a safeguard: never the reason a run fails. A lost lease stops the run
-        # at its first step (stop_reason), on every rank.
-        except (OSError, rundir.RunDirBusy) as err:
-            log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
-    message = distributed.broadcast_object(message)
-    if message is not None:
-        report_to_launcher(exitcodes.NO_PROGRESS_MARKER, f"no progress from step {step}")
-        raise rundir.NoProgress(message)
-
-
-@contextlib.contextmanager
-def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None]:
-    """Rank 0 takes the run dir's lease (one job per run dir) before anything is written
-    there, and lets go of it at the end; a run refused before writing anything leaves no
-    empty run dir behind. Yields the lease on rank 0, None elsewhere."""
-    run_dir = Path(cfg.run.dir)
-    lease = rundir.Lease(run_dir, cfg.run.lease_timeout_s)
-    created = not run_dir.exists()
-
-    def take_lease() -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lease.acquire()
-
-    try:
-        distributed.run_on_main(info, f"taking the lease of run.dir={run_dir}", take_lease)
-        yield lease if info.is_main else None
-    finally:
-        if info.is_main:
-            lease.release()
-            if created:
-                with contextlib.suppress(OSError):
-                    run_dir.rmdir()
-
-
-def report_to_launcher(variable: str, text: str) -> None:
-    """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
-    is reported by every rank that meets it (atomically: the last writer's text): a rank that
-    exits first makes torchrun stop the others, local rank 0 perhaps before it wrote."""
-    marker = os.environ.get(variable)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not marker or (local_rank != 0 and variable != exitcodes.BAD_INPUT_MARKER):
-        return
-    with contextlib.suppress(OSError):
-        staged = Path(f"{marker}.{os.getpid()}")
-        staged.write_text(text + "\n")
-        os.replace(staged, marker)
-
-
-def launch_was_preempted() -> str:
-    """What the launcher's preemption marker says ('' when unset or empty).
-
-    Workers that checkpointed for a signal only they received exit 75, and torchrun, for which
-    any non-zero exit is a failure, restarts them; the launcher (scripts/supervise.py) stops
-    torchrun once it sees the marker, and until then a restarted worker must not train on.
-    """
-    marker = os.environ.get(exitcodes.PREEMPT_MARKER)
-    if not marker:
-        return ""
-    try:
-        text = Path(marker).read_text().strip()
-    except OSError:
-        return ""
-    return text if text.startswith("checkpoint") else ""
-
-
-# ---------------------------------------------------------------------------------------------
-# The entry point
 
 
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:

@@ -827,7 +827,7 @@ def strategy_entry(
         rss_start = _rss_bytes()
         torch.manual_seed(0)
         model = build(ModelConfig(name=model_name), (3, image, image), 100)
-        if not parallel.shards(strategy):  # fsdp shards it onto the device (train.build_model)
+        if not parallel.shards(strategy):  # fsdp shards it onto the device (build.build_model)
             model = model.to(device)
         par = parallel.parallelize(model, info, DistConfig(strategy=strategy))
         kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="adamw"))
