@@ -1,7 +1,8 @@
-"""Run the same training through Ray Train, on a Ray cluster (KubeRay, Anyscale, `ray start`).
+r"""Run the same training through Ray Train, on a Ray cluster (KubeRay, Anyscale, `ray start`).
 
-    python ray_train.py --workers 4 --gpus-per-worker 1 -- --config configs/fashion_mnist.toml
-    python ray_train.py --address local --workers 2 -- --run.dir=runs/ray --train.epochs=2
+    python scripts/ray_train.py --workers 4 --gpus-per-worker 1 -- \
+        --config configs/fashion_mnist.toml
+    python scripts/ray_train.py --address local --workers 2 -- --run.dir=runs/ray --train.epochs=2
 
 Everything after `--` is train.py's command line, unchanged. Needs the `ray` dependency group
 (`uv sync --frozen --group ray`).
@@ -62,7 +63,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from exitcodes import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
+from exitcodes import (  # noqa: E402
     EXIT_BAD_INPUT,
     EXIT_PREEMPTED,
     EXIT_RENDEZVOUS,
@@ -71,7 +73,7 @@ from exitcodes import (
     PREEMPT_MARKER,
 )
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # train.py and the modules it imports
 RUN_ENV = "DDP_RAY_RUN"  # names this launch's processes (in their environment)
 ATTEMPT_ENV = "DDP_RAY_ATTEMPT"  # and the attempt (worker group) they belong to
 PR_SET_PDEATHSIG = 1
@@ -462,7 +464,7 @@ def worker_loop(config: dict[str, Any]) -> int:
     print(f"ray_train.py: attempt {attempt[0]} rank {rank}/{world_size}: train.py", flush=True)
     train = [sys.executable, str(REPO / "train.py"), *config["train_args"]]
     child = subprocess.Popen(
-        [sys.executable, str(REPO / "ray_train.py"), "_shim", str(os.getpid())]
+        [sys.executable, str(REPO / "scripts" / "ray_train.py"), "_shim", str(os.getpid())]
         + [config["stop_signal"], *train],
         cwd=config["cwd"],
         env=env,
@@ -640,7 +642,7 @@ def print_result(result: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse(sys.argv[1:] if argv is None else argv)
-    sys.path.insert(0, str(REPO))
+    # config (and tyro) only here: the shim that each rank runs through this file needs neither
     from config import ConfigError, parse_args
 
     try:
