@@ -5,7 +5,8 @@ data (preflight) and sees the run dir rank 0 writes. `holding_run_dir` holds the
 (one job per run dir) on rank 0 for the whole run. Once resuming is settled, `check_progress`
 counts the attempt (the crash-loop breaker) and `write_settled` writes config.json.
 `report_to_launcher` and `launch_was_preempted` are this side of the marker files that
-scripts/supervise.py reads (exitcodes.py names them).
+scripts/supervise.py reads (exitcodes.py names them), and `exit_code` picks the exit code a
+failed run ends with.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import auto
+import data
 import distributed
 import exitcodes
+import parallel
 import preflight
+import resilience
 import saturation
 from ckpt import rundir, storage
 from config import Config, ConfigError
@@ -94,7 +98,7 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The run dir and the launcher
+# The run dir
 
 
 @contextlib.contextmanager
@@ -157,6 +161,10 @@ def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | N
         rundir.record_origin(run_dir, resume, step)
 
 
+# ---------------------------------------------------------------------------------------------
+# What the launcher is told
+
+
 def report_to_launcher(variable: str, text: str) -> None:
     """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
     is reported by every rank that meets it (atomically: the last writer's text): a rank that
@@ -186,3 +194,47 @@ def launch_was_preempted() -> str:
     except OSError:
         return ""
     return text if text.startswith("checkpoint") else ""
+
+
+def exit_code(err: Exception, batch_size: int) -> int | None:
+    """The exit code of a run that raised `err` (exitcodes.py), logged, and told to the
+    launcher when it is bad input; None for a crash, which the caller raises again (exit 1,
+    with its traceback). `batch_size` (data.batch_size) goes into the out-of-memory advice."""
+    if isinstance(err, rundir.NoProgress):
+        log.error("%s", err)
+        return exitcodes.EXIT_NO_PROGRESS
+    if isinstance(err, resilience.Preempted):
+        log.warning(
+            "%s: checkpoint written, exiting with code %d; resume with the same command",
+            err,
+            exitcodes.EXIT_PREEMPTED,
+        )
+        return exitcodes.EXIT_PREEMPTED
+    if isinstance(err, (resilience.DivergedError, FloatingPointError)):
+        log.error("%s", err)
+        return exitcodes.EXIT_DIVERGED
+    if isinstance(err, OSError):  # by errno: NFS's ESTALE mid-run is retryable, a wrong path is not
+        log.error("%s", exitcodes.describe_os_error(err))
+        code = exitcodes.exit_for_os_error(err)
+        if code == exitcodes.EXIT_BAD_INPUT:
+            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        return code
+    if isinstance(err, (ConfigError, storage.CheckpointError, data.DatasetNotFoundError)):
+        log.error("%s", err)  # a clear message instead of a traceback; every rank exits
+        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        return exitcodes.EXIT_BAD_INPUT
+    if isinstance(err, distributed.PeerError):
+        log.error("%s", err)
+        if err.exit_code == exitcodes.EXIT_BAD_INPUT:
+            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        distributed.outlive_the_root_cause(err)
+        return err.exit_code
+    if not parallel.is_out_of_memory(err):
+        distributed.outlive_the_root_cause(err)
+        return None
+    # The same command on the same machines runs out again: final, with what to change.
+    rank = int(os.environ.get("RANK", "0"))
+    advice = parallel.out_of_memory_advice(err, rank, batch_size)
+    log.error("%s", advice)
+    report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
+    return exitcodes.EXIT_BAD_INPUT

@@ -52,16 +52,17 @@ import torch
 from torch import nn
 
 import auto
+import build
 import data
 import distributed
 import engine
 import exitcodes
+import launch
 import model as models
 import parallel
 import resilience
-from build import build_model, configure_cuda
-from ckpt import parts, rundir, storage
-from ckpt.manager import CheckpointManager
+from ckpt import parts, rundir
+from ckpt.manager import CheckpointManager, Resumed
 from config import (
     IGNORED,
     Config,
@@ -73,15 +74,6 @@ from config import (
 )
 from distributed import DistInfo
 from instruments import Instruments
-from launch import (
-    check_job,
-    check_progress,
-    holding_run_dir,
-    launch_was_preempted,
-    report_to_launcher,
-    warn_if_oversubscribed,
-    write_settled,
-)
 from metrics import MetricsWriter
 
 log = logging.getLogger("train")
@@ -101,11 +93,11 @@ class Trainer:
     ) -> None:
         self.cfg, self.info, self.preemption = cfg, info, preemption
         self.run_dir = Path(cfg.run.dir)
-        configure_cuda(cfg, info)
+        build.configure_cuda(cfg, info)
         parts.seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
         splits = data.build_datasets(cfg.data, cfg.train.seed, info)
         data_fingerprint = data.fingerprint(splits)
-        check_job(cfg, info, data_fingerprint, self.run_dir)
+        launch.check_job(cfg, info, data_fingerprint, self.run_dir)
         self.auto = auto.resolve(
             cfg, info, data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
         )
@@ -115,7 +107,7 @@ class Trainer:
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
         self.parallel = parallel.parallelize(
-            build_model(cfg, splits, info, self.auto.channels_last),
+            build.build_model(cfg, splits, info, self.auto.channels_last),
             info,
             cfg.dist,
             compile=self.auto.compile,
@@ -134,7 +126,7 @@ class Trainer:
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
         )
         self.instruments = self.build_instruments(lease, stall_timeout_s)
-        warn_if_oversubscribed(cfg, info, self.auto)
+        launch.warn_if_oversubscribed(cfg, info, self.auto)
         self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
         # The checkpoint resumed from was written on preemption at the end of an epoch (or of
         # the run), before that segment's evaluation: evaluate (and save) before training on.
@@ -302,34 +294,47 @@ class Trainer:
     def resume(self) -> None:
         """Continue from the newest checkpoint if there is one, then settle the run dir."""
         resumed = self.checkpoints.resume()
-        if resumed is None and self.cfg.model.weights:
+        if resumed is not None:
+            self.continue_from(resumed)
+        elif self.cfg.model.weights:
             self.load_weights(self.cfg.model.weights)
-        if resumed is not None and self.cfg.model.weights and self.info.is_main:
+        self.checkpoints.total_steps = self.total_steps
+        self.warn_if_warmup_shortened()
+        # Once resuming is settled (a refused run changes no file), before anything is trained.
+        self.settle_run_dir()
+        self.log_run()
+        self.instruments.open(self.position.step, self.pending_eval)
+        if self.cfg.log.mfu:
+            self.count_flops()
+
+    def continue_from(self, resumed: Resumed) -> None:
+        """Say where the resumed checkpoint stands, and what of the config it overrides."""
+        if self.cfg.model.weights and self.info.is_main:
             log.warning(
                 "model.weights=%s is not loaded: the run resumes from %s, which holds the "
                 "weights (start a new run.dir to fine-tune from the file)",
                 self.cfg.model.weights,
                 resumed.path,
             )
-        if resumed is not None:
-            self.pending_eval = resumed.pending_eval
-            log.info(
-                "resuming from %s at step %d (epoch %d, %d samples into it)",
-                resumed.path,
-                self.position.step,
-                self.position.epoch,
-                self.position.samples_in_epoch,
+        self.pending_eval = resumed.pending_eval
+        log.info(
+            "resuming from %s at step %d (epoch %d, %d samples into it)",
+            resumed.path,
+            self.position.step,
+            self.position.epoch,
+            self.position.samples_in_epoch,
+        )
+        ends = resumed.meta.get("total_steps", self.total_steps)
+        if ends != self.total_steps and self.info.is_main:  # the same on every rank
+            log.warning(
+                "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
+                "the world size changed): the cosine learning-rate schedule is stretched to "
+                "match",
+                self.total_steps,
+                resumed.meta["total_steps"],
             )
-            ends = resumed.meta.get("total_steps", self.total_steps)
-            if ends != self.total_steps and self.info.is_main:  # the same on every rank
-                log.warning(
-                    "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
-                    "the world size changed): the cosine learning-rate schedule is stretched to "
-                    "match",
-                    self.total_steps,
-                    resumed.meta["total_steps"],
-                )
-        self.checkpoints.total_steps = self.total_steps
+
+    def warn_if_warmup_shortened(self) -> None:
         warmup = engine.warmup_steps(self.cfg.optim.warmup_steps, self.total_steps)
         if warmup < self.cfg.optim.warmup_steps and self.info.is_main:
             log.warning(
@@ -339,15 +344,19 @@ class Trainer:
                 self.total_steps,
                 warmup,
             )
-        # Once resuming is settled (a refused run changes no file), before anything is trained.
-        check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
+
+    def settle_run_dir(self) -> None:
+        """Count this attempt (the crash-loop breaker), then write the config (rank 0)."""
+        launch.check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
         distributed.run_on_main(
             self.info,
             f"writing {self.run_dir / 'config.json'}",
-            lambda: write_settled(
+            lambda: launch.write_settled(
                 self.cfg, self.run_dir, self.position.step, self.checkpoints.lease
             ),
         )
+
+    def log_run(self) -> None:
         log.info(
             "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
             "%d steps in total, config %s",
@@ -360,30 +369,31 @@ class Trainer:
             self.total_steps,
             self.cfg.fingerprint(),
         )
-        self.instruments.open(self.position.step, self.pending_eval)
-        if self.cfg.log.mfu:
-            # Zeros of the data's shape (the count depends on shapes only): a rank's share of
-            # the evaluation set is empty when it has fewer samples than there are ranks.
-            zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
-            sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
-            probe = self.model
-            sharded = parallel.is_sharded(self.model)
-            try:
-                if sharded:  # a copy of a shard cannot run alone: count on the same model
-                    with torch.device("meta"):  # built without storage
-                        probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
-                    sample = sample.to("meta")
-                self.instruments.count_flops(
-                    probe, sample, self.loss_fn, self.amp_dtype or torch.float32
-                )
-            except Exception as err:
-                if not sharded:
-                    raise
-                # A forward that reads values (.item(), data-dependent control flow) cannot
-                # run on the meta device: the run trains, without an MFU figure.
-                first = str(err).splitlines()[0] if str(err) else type(err).__name__
-                if self.info.is_main:
-                    log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)
+
+    def count_flops(self) -> None:
+        """log.mfu: the model's FLOPs per sample, counted once on a probe batch."""
+        # Zeros of the data's shape (the count depends on shapes only): a rank's share of
+        # the evaluation set is empty when it has fewer samples than there are ranks.
+        zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
+        sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
+        probe = self.model
+        sharded = parallel.is_sharded(self.model)
+        try:
+            if sharded:  # a copy of a shard cannot run alone: count on the same model
+                with torch.device("meta"):  # built without storage
+                    probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
+                sample = sample.to("meta")
+            self.instruments.count_flops(
+                probe, sample, self.loss_fn, self.amp_dtype or torch.float32
+            )
+        except Exception as err:
+            if not sharded:
+                raise
+            # A forward that reads values (.item(), data-dependent control flow) cannot
+            # run on the meta device: the run trains, without an MFU figure.
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if self.info.is_main:
+                log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)
 
     def load_weights(self, path: str) -> None:
         """Start from the weights in `path` (model.weights), on every rank (collective: a rank
@@ -531,7 +541,7 @@ class Trainer:
         if self.info.is_main:  # progress: restarts after this one start counting anew
             rundir.reset_attempts(self.run_dir, step)
         # The launcher (scripts/supervise.py) exits 75 only after this
-        report_to_launcher(
+        launch.report_to_launcher(
             exitcodes.PREEMPT_MARKER, f"checkpoint of step {step} after {signal_name}"
         )
         raise resilience.Preempted(signal_name, step)
@@ -629,30 +639,40 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     # A signal during start-up (recorded by the first lines of this file) stops at step one.
     preemption.install(globals().get("_EARLY_SIGNALS"))
     try:
-        with holding_run_dir(cfg, info) as lease, Trainer(cfg, info, preemption, lease) as trainer:
+        with (
+            launch.holding_run_dir(cfg, info) as lease,
+            Trainer(cfg, info, preemption, lease) as trainer,
+        ):
             return trainer.fit()
     finally:
         preemption.restore()
 
 
+def read_config(argv: list[str]) -> Config:
+    """The config, checked as far as it can be before any process group: a typo fails in
+    seconds, not after the rendezvous."""
+    cfg = parse_args(argv)
+    models.check(cfg.model)
+    if cfg.data.factory:
+        load_factory("data.factory", cfg.data.factory)
+    return cfg
+
+
 @distributed.record
 def main(argv: list[str] | None = None) -> int:
-    """Run training; the exit codes are listed in resilience.py and the README."""
+    """Run training; the exit codes are listed in exitcodes.py (launch.exit_code picks one)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--model.list" in argv:
         print("\n".join(models.names()))
         return 0
     try:
-        cfg = parse_args(argv)  # before any process group: a typo fails in seconds
-        models.check(cfg.model)
-        if cfg.data.factory:
-            load_factory("data.factory", cfg.data.factory)
+        cfg = read_config(argv)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        launch.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT
     setup_logging(int(os.environ.get("RANK", "0")))
-    already = launch_was_preempted()
+    already = launch.launch_was_preempted()
     if already:
         log.warning(
             "not starting: this launch was already preempted (%s); exiting with code %d",
@@ -666,47 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, info)
         log.info("done: %s", result)
         # A stop signal that came while the run was finishing anyway: done, not preempted.
-        report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
+        launch.report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
         return 0
-    except rundir.NoProgress as err:
-        log.error("%s", err)
-        return exitcodes.EXIT_NO_PROGRESS
-    except resilience.Preempted as stop:
-        log.warning(
-            "%s: checkpoint written, exiting with code %d; resume with the same command",
-            stop,
-            exitcodes.EXIT_PREEMPTED,
-        )
-        return exitcodes.EXIT_PREEMPTED
-    except (resilience.DivergedError, FloatingPointError) as err:
-        log.error("%s", err)
-        return exitcodes.EXIT_DIVERGED
-    except OSError as err:  # by errno: NFS's ESTALE mid-run is retryable, a wrong path is not
-        log.error("%s", exitcodes.describe_os_error(err))
-        code = exitcodes.exit_for_os_error(err)
-        if code == exitcodes.EXIT_BAD_INPUT:
-            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
-        return code
-    except (ConfigError, storage.CheckpointError, data.DatasetNotFoundError) as err:
-        log.error("%s", err)  # a clear message instead of a traceback; every rank exits
-        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
-        return exitcodes.EXIT_BAD_INPUT
-    except distributed.PeerError as err:
-        log.error("%s", err)
-        if err.exit_code == exitcodes.EXIT_BAD_INPUT:
-            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
-        distributed.outlive_the_root_cause(err)
-        return err.exit_code
     except Exception as err:
-        if not parallel.is_out_of_memory(err):
-            distributed.outlive_the_root_cause(err)
+        code = launch.exit_code(err, cfg.data.batch_size)
+        if code is None:  # a crash: exit 1, with its traceback
             raise
-        # The same command on the same machines runs out again: final, with what to change.
-        rank = int(os.environ.get("RANK", "0"))
-        advice = parallel.out_of_memory_advice(err, rank, cfg.data.batch_size)
-        log.error("%s", advice)
-        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
-        return exitcodes.EXIT_BAD_INPUT
+        return code
     finally:
         distributed.teardown()
 
