@@ -220,6 +220,13 @@ class Trainer:
             worker_pids=lambda: data.worker_pids(self.train_loader),
         )
 
+    def use_train_loader(self, loader: Any) -> None:
+        """Train on `loader` instead of the loader built from cfg.data; call it before training
+        (scripts/benchmark.py replays a few batches of the built one, to time steps without
+        waiting for data). Like the built loader, it yields (images, labels, indices) batches
+        and has the `sampler` that data.set_epoch positions."""
+        self.train_loader = loader
+
     # -- the story of a run --------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
