@@ -27,8 +27,8 @@ log = logging.getLogger("train")  # its lines read as the run's, as they did fro
 def configure_cuda(cfg: Config, info: DistInfo) -> None:
     """cudnn autotuning (fixed input shapes) and TF32 for fp32 matmuls and convolutions under
     train.cuda_fast_math, and neither without it; deterministic kernels under
-    train.deterministic (measured on an H200: without them a resumed bf16 run drifted 5e-3
-    from the uninterrupted one, tests/test_gpu.py)."""
+    train.deterministic (without them a resumed run on a GPU drifts from the uninterrupted
+    one: BENCHMARKS.md, "GPU"; tests/test_gpu.py)."""
     if cfg.train.deterministic:
         # cuBLAS reads this when it creates its handle, at the first matmul: before that.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -42,9 +42,9 @@ def configure_cuda(cfg: Config, info: DistInfo) -> None:
     # Autotuning may pick another algorithm after a restart: a resumed run would differ.
     torch.backends.cudnn.benchmark = fast and not cfg.train.deterministic
     torch.backends.cuda.matmul.allow_tf32 = fast
-    # torch's own default for convolutions is TF32 (allow_tf32=True): off has to be said. On an
-    # H200 with it left on, fsdp and ddp at world size 1 ended 8e-3 apart in "fp32" (the
-    # unsharded weights live elsewhere, and cuDNN chose another TF32 algorithm).
+    # torch's own default for convolutions is TF32 (allow_tf32=True): off has to be said. Left
+    # on, fsdp and ddp ended apart in "fp32" (the unsharded weights live elsewhere, and cuDNN
+    # chose another TF32 algorithm; BENCHMARKS.md, "GPU").
     torch.backends.cudnn.allow_tf32 = fast
 
 

@@ -81,7 +81,8 @@ log = logging.getLogger("train")
 
 class Trainer:
     """One rank's training run: built from the config, then `fit()` (or driven step by step
-    with `train_steps(n)` and `save()`, as the benchmark does)."""
+    with `train_steps(n)` and `save()`, as the benchmark does, on its own loader through
+    `use_train_loader`)."""
 
     def __init__(
         self,
