@@ -1,6 +1,6 @@
 """How a launch ends: exit codes by cause, the files the ranks report through, the stop signals.
 
-One home for what train.py, scripts/supervise.py, ray_train.py, scripts/rendezvous_check.py,
+One home for what train.py, scripts/supervise.py, scripts/ray_train.py, scripts/rendezvous_check.py,
 the shell launchers, the Kubernetes manifests and the tests must agree on. It imports nothing
 but the standard library (no torch: the launchers import it in milliseconds); the shell
 scripts and manifests spell the numbers out and tests/test_exitcodes.py checks them against

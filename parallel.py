@@ -225,7 +225,7 @@ def parallelize(
         mesh = device_mesh(info, strategy)
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         # Rank 0's values, whole, from before sharding: the only copy of the whole model. The
-        # other ranks' models may be on the meta device (train.build_model): shapes only.
+        # other ranks' models may be on the meta device (build.build_model): shapes only.
         several = info.world_size > 1
         values = distributed.module_tensors(model) if info.is_main and several else None
         units = shard(model, mesh, cfg)

@@ -45,9 +45,6 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
 import contextlib
 import logging
 import os
-import socket
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,17 +53,17 @@ import torch
 from torch import nn
 
 import auto
+import build
 import data
 import distributed
 import engine
 import exitcodes
+import launch
 import model as models
 import parallel
-import preflight
 import resilience
-import saturation
-from ckpt import parts, rundir, storage
-from ckpt.manager import CheckpointManager
+from ckpt import parts, rundir
+from ckpt.manager import CheckpointManager, Resumed
 from cli import parse_args
 from config import (
     IGNORED,
@@ -85,7 +82,8 @@ log = logging.getLogger("train")
 
 class Trainer:
     """One rank's training run: built from the config, then `fit()` (or driven step by step
-    with `train_steps(n)` and `save()`, as the benchmark does)."""
+    with `train_steps(n)` and `save()`, as the benchmark does, on its own loader through
+    `use_train_loader`)."""
 
     def __init__(
         self,
@@ -97,11 +95,11 @@ class Trainer:
     ) -> None:
         self.cfg, self.info, self.preemption = cfg, info, preemption
         self.run_dir = Path(cfg.run.dir)
-        configure_cuda(cfg, info)
+        build.configure_cuda(cfg, info)
         parts.seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
         splits = data.build_datasets(cfg.data, cfg.train.seed, info)
         data_fingerprint = data.fingerprint(splits)
-        check_job(cfg, info, data_fingerprint, self.run_dir)
+        launch.check_job(cfg, info, data_fingerprint, self.run_dir)
         self.auto = auto.resolve(
             cfg, info, data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
         )
@@ -111,7 +109,7 @@ class Trainer:
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
         self.parallel = parallel.parallelize(
-            build_model(cfg, splits, info, self.auto.channels_last),
+            build.build_model(cfg, splits, info, self.auto.channels_last),
             info,
             cfg.dist,
             compile=self.auto.compile,
@@ -130,7 +128,7 @@ class Trainer:
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
         )
         self.instruments = self.build_instruments(lease, stall_timeout_s)
-        warn_if_oversubscribed(cfg, info, self.auto)
+        launch.warn_if_oversubscribed(cfg, info, self.auto)
         self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
         # The checkpoint resumed from was written on preemption at the end of an epoch (or of
         # the run), before that segment's evaluation: evaluate (and save) before training on.
@@ -224,6 +222,13 @@ class Trainer:
             worker_pids=lambda: data.worker_pids(self.train_loader),
         )
 
+    def use_train_loader(self, loader: Any) -> None:
+        """Train on `loader` instead of the loader built from cfg.data; call it before training
+        (scripts/benchmark.py replays a few batches of the built one, to time steps without
+        waiting for data). Like the built loader, it yields (images, labels, indices) batches
+        and has the `sampler` that data.set_epoch positions."""
+        self.train_loader = loader
+
     # -- the story of a run --------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
@@ -298,34 +303,47 @@ class Trainer:
     def resume(self) -> None:
         """Continue from the newest checkpoint if there is one, then settle the run dir."""
         resumed = self.checkpoints.resume()
-        if resumed is None and self.cfg.model.weights:
+        if resumed is not None:
+            self.continue_from(resumed)
+        elif self.cfg.model.weights:
             self.load_weights(self.cfg.model.weights)
-        if resumed is not None and self.cfg.model.weights and self.info.is_main:
+        self.checkpoints.total_steps = self.total_steps
+        self.warn_if_warmup_shortened()
+        # Once resuming is settled (a refused run changes no file), before anything is trained.
+        self.settle_run_dir()
+        self.log_run()
+        self.instruments.open(self.position.step, self.pending_eval)
+        if self.cfg.log.mfu:
+            self.count_flops()
+
+    def continue_from(self, resumed: Resumed) -> None:
+        """Say where the resumed checkpoint stands, and what of the config it overrides."""
+        if self.cfg.model.weights and self.info.is_main:
             log.warning(
                 "model.weights=%s is not loaded: the run resumes from %s, which holds the "
                 "weights (start a new run.dir to fine-tune from the file)",
                 self.cfg.model.weights,
                 resumed.path,
             )
-        if resumed is not None:
-            self.pending_eval = resumed.pending_eval
-            log.info(
-                "resuming from %s at step %d (epoch %d, %d samples into it)",
-                resumed.path,
-                self.position.step,
-                self.position.epoch,
-                self.position.samples_in_epoch,
+        self.pending_eval = resumed.pending_eval
+        log.info(
+            "resuming from %s at step %d (epoch %d, %d samples into it)",
+            resumed.path,
+            self.position.step,
+            self.position.epoch,
+            self.position.samples_in_epoch,
+        )
+        ends = resumed.meta.get("total_steps", self.total_steps)
+        if ends != self.total_steps and self.info.is_main:  # the same on every rank
+            log.warning(
+                "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
+                "the world size changed): the cosine learning-rate schedule is stretched to "
+                "match",
+                self.total_steps,
+                resumed.meta["total_steps"],
             )
-            ends = resumed.meta.get("total_steps", self.total_steps)
-            if ends != self.total_steps and self.info.is_main:  # the same on every rank
-                log.warning(
-                    "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
-                    "the world size changed): the cosine learning-rate schedule is stretched to "
-                    "match",
-                    self.total_steps,
-                    resumed.meta["total_steps"],
-                )
-        self.checkpoints.total_steps = self.total_steps
+
+    def warn_if_warmup_shortened(self) -> None:
         warmup = engine.warmup_steps(self.cfg.optim.warmup_steps, self.total_steps)
         if warmup < self.cfg.optim.warmup_steps and self.info.is_main:
             log.warning(
@@ -335,15 +353,19 @@ class Trainer:
                 self.total_steps,
                 warmup,
             )
-        # Once resuming is settled (a refused run changes no file), before anything is trained.
-        check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
+
+    def settle_run_dir(self) -> None:
+        """Count this attempt (the crash-loop breaker), then write the config (rank 0)."""
+        launch.check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
         distributed.run_on_main(
             self.info,
             f"writing {self.run_dir / 'config.json'}",
-            lambda: write_settled(
+            lambda: launch.write_settled(
                 self.cfg, self.run_dir, self.position.step, self.checkpoints.lease
             ),
         )
+
+    def log_run(self) -> None:
         log.info(
             "world size %d, device %s, backend %s, amp %s, global batch %d, %d steps/epoch, "
             "%d steps in total, config %s",
@@ -356,30 +378,31 @@ class Trainer:
             self.total_steps,
             self.cfg.fingerprint(),
         )
-        self.instruments.open(self.position.step, self.pending_eval)
-        if self.cfg.log.mfu:
-            # Zeros of the data's shape (the count depends on shapes only): a rank's share of
-            # the evaluation set is empty when it has fewer samples than there are ranks.
-            zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
-            sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
-            probe = self.model
-            sharded = parallel.is_sharded(self.model)
-            try:
-                if sharded:  # a copy of a shard cannot run alone: count on the same model
-                    with torch.device("meta"):  # built without storage
-                        probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
-                    sample = sample.to("meta")
-                self.instruments.count_flops(
-                    probe, sample, self.loss_fn, self.amp_dtype or torch.float32
-                )
-            except Exception as err:
-                if not sharded:
-                    raise
-                # A forward that reads values (.item(), data-dependent control flow) cannot
-                # run on the meta device: the run trains, without an MFU figure.
-                first = str(err).splitlines()[0] if str(err) else type(err).__name__
-                if self.info.is_main:
-                    log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)
+
+    def count_flops(self) -> None:
+        """log.mfu: the model's FLOPs per sample, counted once on a probe batch."""
+        # Zeros of the data's shape (the count depends on shapes only): a rank's share of
+        # the evaluation set is empty when it has fewer samples than there are ranks.
+        zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
+        sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
+        probe = self.model
+        sharded = parallel.is_sharded(self.model)
+        try:
+            if sharded:  # a copy of a shard cannot run alone: count on the same model
+                with torch.device("meta"):  # built without storage
+                    probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
+                sample = sample.to("meta")
+            self.instruments.count_flops(
+                probe, sample, self.loss_fn, self.amp_dtype or torch.float32
+            )
+        except Exception as err:
+            if not sharded:
+                raise
+            # A forward that reads values (.item(), data-dependent control flow) cannot
+            # run on the meta device: the run trains, without an MFU figure.
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if self.info.is_main:
+                log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)
 
     def load_weights(self, path: str) -> None:
         """Start from the weights in `path` (model.weights), on every rank (collective: a rank
@@ -527,7 +550,7 @@ class Trainer:
         if self.info.is_main:  # progress: restarts after this one start counting anew
             rundir.reset_attempts(self.run_dir, step)
         # The launcher (scripts/supervise.py) exits 75 only after this
-        report_to_launcher(
+        launch.report_to_launcher(
             exitcodes.PREEMPT_MARKER, f"checkpoint of step {step} after {signal_name}"
         )
         raise resilience.Preempted(signal_name, step)
@@ -605,7 +628,7 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building
+# The entry point
 
 
 def setup_logging(rank: int) -> None:
@@ -619,283 +642,46 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def configure_cuda(cfg: Config, info: DistInfo) -> None:
-    """cudnn autotuning (fixed input shapes) and TF32 for fp32 matmuls and convolutions under
-    train.cuda_fast_math, and neither without it; deterministic kernels under
-    train.deterministic (measured on an H200: without them a resumed bf16 run drifted 5e-3
-    from the uninterrupted one, tests/test_gpu.py)."""
-    if cfg.train.deterministic:
-        # cuBLAS reads this when it creates its handle, at the first matmul: before that.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # warn_only: torchvision's models pool with AdaptiveAvgPool2d, whose CUDA backward has
-        # no deterministic kernel; refusing them would refuse the run.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.deterministic = True
-    if info.device.type != "cuda":
-        return
-    fast = cfg.train.cuda_fast_math
-    # Autotuning may pick another algorithm after a restart: a resumed run would differ.
-    torch.backends.cudnn.benchmark = fast and not cfg.train.deterministic
-    torch.backends.cuda.matmul.allow_tf32 = fast
-    # torch's own default for convolutions is TF32 (allow_tf32=True): off has to be said. On an
-    # H200 with it left on, fsdp and ddp at world size 1 ended 8e-3 apart in "fp32" (the
-    # unsharded weights live elsewhere, and cuDNN chose another TF32 algorithm).
-    torch.backends.cudnn.allow_tf32 = fast
-
-
-def check_job(cfg: Config, info: DistInfo, data_fingerprint: str, run_dir: Path) -> None:
-    """Collective checks before anything is built: every rank runs the same config on the same
-    data (preflight), the network's bandwidth, and a run dir every rank shares."""
-    if cfg.dist.preflight:
-        preflight.check(info, data_fingerprint, cfg.fingerprint())
-    if cfg.dist.preflight_bandwidth:
-        preflight.bandwidth(info)
-    # After preflight, so that a run.dir differing between nodes is reported as a config
-    # mismatch rather than as a run dir that is not shared.
-    check_run_dir_shared(info, run_dir)
-
-
-def warn_if_oversubscribed(cfg: Config, info: DistInfo, settings: auto.Auto) -> None:
-    """Once per node: more trainer processes and loader workers than the node has cores."""
-    if cfg.log.resources and info.local_rank == 0:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        workers = cfg.data.num_workers if settings.loader == "dataloader" else 0
-        crowded = saturation.oversubscribed(local_ranks, workers, saturation.available_cores())
-        if crowded:
-            log.warning("%s", crowded)
-
-
-def build_model(
-    cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
-) -> nn.Module:
-    """The model (model.name or model.factory) on this rank's device (under fsdp and hybrid:
-    in host memory, for parallelize to shard onto the device), the same initial
-    weights on every rank; in channels_last memory format as model.channels_last resolves
-    (auto.channels_last)."""
-    if channels_last is None:
-        channels_last = auto.channels_last(cfg.model.channels_last, info.device)
-    # Under fsdp and hybrid the ranks but rank 0 build on the meta device (shapes, no memory,
-    # no initialisation): parallelize gives them their shards of rank 0's weights, so only
-    # rank 0 ever holds the whole model.
-    meta = parallel.shards(cfg.dist.strategy) and not info.is_main
-    # The initial weights depend on train.seed alone; the build draws nothing from the ranks'
-    # own random streams (seed + rank), whatever the model's size or device.
-    devices = [info.device] if info.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        model = _build_on(torch.device("meta") if meta else None, cfg, splits)
-    if cfg.model.norm == "syncbatch" and info.world_size > 1:
-        if info.device.type != "cuda":
-            # SyncBatchNorm.forward refuses CPU tensors ("expected input tensor to be on GPU
-            # or XPU", torch/nn/modules/batchnorm.py). group is mini_resnet's only (config).
-            mini = not cfg.model.factory and cfg.model.name == models.MINI_RESNET
-            other = "batch or group" if mini else "batch"
-            raise ConfigError(
-                "model.norm=syncbatch needs CUDA devices (SyncBatchNorm runs on GPUs only); "
-                f"use model.norm={other} on CPU"
-            )
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if parallel.shards(cfg.dist.strategy):
-        # Left in host memory: fully_shard moves each unit to the device as it shards it, so
-        # the device holds one unit whole at a time, never the whole model. FSDP2 refuses
-        # channels_last parameters (the inputs may still be channels_last, and convolutions
-        # then run channels_last): the weights stay contiguous.
-        return model
-    memory_format = torch.channels_last if channels_last else torch.preserve_format
-    return model.to(device=info.device, memory_format=memory_format)
-
-
-def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits) -> nn.Module:
-    """models.build with `device` as the default device (None: as it is). A model that cannot
-    be built on the meta device (an op without a meta kernel in its constructor, a check of
-    its forward that reads values), or that keeps a tensor as a plain attribute (neither a
-    parameter nor a buffer: nothing would give it values), is built in host memory instead:
-    only the memory saving is lost."""
-    if device is None:
-        return models.build(cfg.model, splits.input_shape, splits.num_classes)
-    try:
-        with device:
-            model = models.build(cfg.model, splits.input_shape, splits.num_classes)
-        plain = [
-            f"{prefix}.{key}" if prefix else key
-            for prefix, module in model.named_modules()
-            for key, value in vars(module).items()
-            if isinstance(value, torch.Tensor) and value.is_meta
-        ]
-        if not plain:
-            return model
-        why = f"tensors that are not parameters or buffers: {', '.join(plain[:3])}"
-    except Exception as err:  # any failure: the host build says what is wrong, if anything
-        why = str(err).splitlines()[0] if str(err) else type(err).__name__
-    log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
-    return models.build(cfg.model, splits.input_shape, splits.num_classes)
-
-
-def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:
-    """Refuse to train unless every rank sees the files rank 0 writes in run.dir.
-
-    Rank 0 alone writes checkpoints and every rank reads them back on resume, so a run dir on
-    node-local disks would fail only at the first restart, hours in. Network filesystems may
-    show a new file late (attribute caching): each rank retries for `wait_s` seconds.
-    """
-    if info.world_size == 1:
-        return
-    token = distributed.broadcast_object(uuid.uuid4().hex if info.is_main else None)
-    marker = run_dir / f".shared-check-{token}"
-    distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
-
-    def visible() -> bool:
-        try:
-            return marker.is_file() and marker.read_text() == token
-        except OSError:  # e.g. ESTALE on NFS: treat as not (yet) visible, never skip the vote
-            return False
-
-    deadline = time.monotonic() + wait_s
-    while not visible() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    error = None
-    if not visible():
-        error = ConfigError(
-            f"run.dir={run_dir} is not shared: rank {info.rank} on {socket.gethostname()} "
-            f"cannot see {marker.name}, written there by rank 0. Checkpoints and resume need a "
-            "run.dir on storage every node mounts (NFS, Lustre, a ReadWriteMany volume)"
-        )
-    try:
-        distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
-    finally:  # every rank has voted, so none reads the marker any more
-        if info.is_main:
-            marker.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# The run dir and the launcher
-
-
-def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | None = None) -> None:
-    """Once resuming is settled: the config, and where an explicit ckpt.resume started the run
-    (restarts repeating the command then continue from the run's own checkpoints)."""
-    if lease is not None:
-        lease.check()  # another job took the run dir over: write nothing
-    payload = (cfg.to_json() + "\n").encode()
-    storage.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
-    resume = cfg.ckpt.resume
-    if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
-        run_dir, resume
-    ):
-        rundir.record_origin(run_dir, resume, step)
-
-
-def check_progress(
-    cfg: Config, info: DistInfo, step: int, lease: rundir.Lease | None = None
-) -> None:
-    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together."""
-    message = None
-    if info.is_main:
-        try:
-            if lease is not None:
-                lease.check()  # progress.json is written only while this job holds the dir
-            rundir.count_attempt(Path(cfg.run.dir), step, cfg.run.max_attempts_without_progress)
-        except rundir.NoProgress as err:
-            message = str(err)
-        # The count is a safeguard: never the reason a run fails. A lost lease stops the run
-        # at its first step (stop_reason), on every rank.
-        except (OSError, rundir.RunDirBusy) as err:
-            log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
-    message = distributed.broadcast_object(message)
-    if message is not None:
-        report_to_launcher(exitcodes.NO_PROGRESS_MARKER, f"no progress from step {step}")
-        raise rundir.NoProgress(message)
-
-
-@contextlib.contextmanager
-def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None]:
-    """Rank 0 takes the run dir's lease (one job per run dir) before anything is written
-    there, and lets go of it at the end; a run refused before writing anything leaves no
-    empty run dir behind. Yields the lease on rank 0, None elsewhere."""
-    run_dir = Path(cfg.run.dir)
-    lease = rundir.Lease(run_dir, cfg.run.lease_timeout_s)
-    created = not run_dir.exists()
-
-    def take_lease() -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lease.acquire()
-
-    try:
-        distributed.run_on_main(info, f"taking the lease of run.dir={run_dir}", take_lease)
-        yield lease if info.is_main else None
-    finally:
-        if info.is_main:
-            lease.release()
-            if created:
-                with contextlib.suppress(OSError):
-                    run_dir.rmdir()
-
-
-def report_to_launcher(variable: str, text: str) -> None:
-    """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
-    is reported by every rank that meets it (atomically: the last writer's text): a rank that
-    exits first makes torchrun stop the others, local rank 0 perhaps before it wrote."""
-    marker = os.environ.get(variable)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not marker or (local_rank != 0 and variable != exitcodes.BAD_INPUT_MARKER):
-        return
-    with contextlib.suppress(OSError):
-        staged = Path(f"{marker}.{os.getpid()}")
-        staged.write_text(text + "\n")
-        os.replace(staged, marker)
-
-
-def launch_was_preempted() -> str:
-    """What the launcher's preemption marker says ('' when unset or empty).
-
-    Workers that checkpointed for a signal only they received exit 75, and torchrun, for which
-    any non-zero exit is a failure, restarts them; the launcher (scripts/supervise.py) stops
-    torchrun once it sees the marker, and until then a restarted worker must not train on.
-    """
-    marker = os.environ.get(exitcodes.PREEMPT_MARKER)
-    if not marker:
-        return ""
-    try:
-        text = Path(marker).read_text().strip()
-    except OSError:
-        return ""
-    return text if text.startswith("checkpoint") else ""
-
-
-# ---------------------------------------------------------------------------------------------
-# The entry point
-
-
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     """One run on this rank: stop signals handled, the run dir held, the Trainer fitted."""
     preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
     # A signal during start-up (recorded by the first lines of this file) stops at step one.
     preemption.install(globals().get("_EARLY_SIGNALS"))
     try:
-        with holding_run_dir(cfg, info) as lease, Trainer(cfg, info, preemption, lease) as trainer:
+        with (
+            launch.holding_run_dir(cfg, info) as lease,
+            Trainer(cfg, info, preemption, lease) as trainer,
+        ):
             return trainer.fit()
     finally:
         preemption.restore()
 
 
+def read_config(argv: list[str]) -> Config:
+    """The config, checked as far as it can be before any process group: a typo fails in
+    seconds, not after the rendezvous."""
+    cfg = parse_args(argv)
+    models.check(cfg.model)
+    if cfg.data.factory:
+        load_factory("data.factory", cfg.data.factory)
+    return cfg
+
+
 @distributed.record
 def main(argv: list[str] | None = None) -> int:
-    """Run training; the exit codes are listed in resilience.py and the README."""
+    """Run training; the exit codes are listed in exitcodes.py (launch.exit_code picks one)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--model.list" in argv:
         print("\n".join(models.names()))
         return 0
     try:
-        cfg = parse_args(argv)  # before any process group: a typo fails in seconds
-        models.check(cfg.model)
-        if cfg.data.factory:
-            load_factory("data.factory", cfg.data.factory)
+        cfg = read_config(argv)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        launch.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT
     setup_logging(int(os.environ.get("RANK", "0")))
-    already = launch_was_preempted()
+    already = launch.launch_was_preempted()
     if already:
         log.warning(
             "not starting: this launch was already preempted (%s); exiting with code %d",
@@ -909,47 +695,13 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, info)
         log.info("done: %s", result)
         # A stop signal that came while the run was finishing anyway: done, not preempted.
-        report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
+        launch.report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
         return 0
-    except rundir.NoProgress as err:
-        log.error("%s", err)
-        return exitcodes.EXIT_NO_PROGRESS
-    except resilience.Preempted as stop:
-        log.warning(
-            "%s: checkpoint written, exiting with code %d; resume with the same command",
-            stop,
-            exitcodes.EXIT_PREEMPTED,
-        )
-        return exitcodes.EXIT_PREEMPTED
-    except (resilience.DivergedError, FloatingPointError) as err:
-        log.error("%s", err)
-        return exitcodes.EXIT_DIVERGED
-    except OSError as err:  # by errno: NFS's ESTALE mid-run is retryable, a wrong path is not
-        log.error("%s", exitcodes.describe_os_error(err))
-        code = exitcodes.exit_for_os_error(err)
-        if code == exitcodes.EXIT_BAD_INPUT:
-            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
-        return code
-    except (ConfigError, storage.CheckpointError, data.DatasetNotFoundError) as err:
-        log.error("%s", err)  # a clear message instead of a traceback; every rank exits
-        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
-        return exitcodes.EXIT_BAD_INPUT
-    except distributed.PeerError as err:
-        log.error("%s", err)
-        if err.exit_code == exitcodes.EXIT_BAD_INPUT:
-            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
-        distributed.outlive_the_root_cause(err)
-        return err.exit_code
     except Exception as err:
-        if not parallel.is_out_of_memory(err):
-            distributed.outlive_the_root_cause(err)
+        code = launch.exit_code(err, cfg.data.batch_size)
+        if code is None:  # a crash: exit 1, with its traceback
             raise
-        # The same command on the same machines runs out again: final, with what to change.
-        rank = int(os.environ.get("RANK", "0"))
-        advice = parallel.out_of_memory_advice(err, rank, cfg.data.batch_size)
-        log.error("%s", advice)
-        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
-        return exitcodes.EXIT_BAD_INPUT
+        return code
     finally:
         distributed.teardown()
 

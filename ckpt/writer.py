@@ -452,7 +452,7 @@ def _read(sock: socket.socket, size: int, fds: list[int]) -> bytes:
 def _die_with_parent(parent: int) -> None:
     """SIGKILL when the training process dies. Linux ties it to the thread that started this
     process: the saver must be made by a thread that lives as long as the training (the main
-    thread, in train.py and ray_train.py's processes)."""
+    thread, in train.py and scripts/ray_train.py's processes)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)

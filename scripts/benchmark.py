@@ -205,7 +205,7 @@ class Replay:
 class Pipeline:
     """train.py's Trainer, driven through its public API: `train_steps(n)` and `save()`.
 
-    The Trainer's training loader is replaced by a `Replay` of its own batches, so each `run`
+    The Trainer trains on a `Replay` of its own loader's batches (`use_train_loader`), so each `run`
     is `num_steps` steps of the real step (instruments, step guard, sample ledger, periodic
     log rows: an all-reduce, a metrics.jsonl line, TensorBoard scalars every
     `log.every_steps`) without waiting for data.
@@ -218,7 +218,7 @@ class Pipeline:
         preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
         self.trainer = train.Trainer(cfg, info, preemption, stall_timeout_s=3600.0)
         self.replay = Replay(self.trainer.train_loader, num_batches * cfg.train.grad_accum_steps)
-        self.trainer.train_loader = self.replay  # type: ignore[assignment]
+        self.trainer.use_train_loader(self.replay)
         self.schedule_steps = self.trainer.total_steps  # what the LR schedule is built for
         self.trainer.resume()  # a fresh run (ckpt.resume=never): settles the run dir
         self._running = self.trainer.instruments.running(self.schedule_steps)
@@ -827,7 +827,7 @@ def strategy_entry(
         rss_start = _rss_bytes()
         torch.manual_seed(0)
         model = build(ModelConfig(name=model_name), (3, image, image), 100)
-        if not parallel.shards(strategy):  # fsdp shards it onto the device (train.build_model)
+        if not parallel.shards(strategy):  # fsdp shards it onto the device (build.build_model)
             model = model.to(device)
         par = parallel.parallelize(model, info, DistConfig(strategy=strategy))
         kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="adamw"))

@@ -3,7 +3,7 @@
 #   scripts/test.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh --group ray  # the tests run ray_train.py too
+bash scripts/setup.sh --group ray  # the tests run scripts/ray_train.py too
 set +e
 .venv/bin/python -m pytest "$@"
 status=$?

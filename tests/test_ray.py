@@ -1,7 +1,9 @@
-"""ray_train.py on a local Ray cluster of 2 CPU workers, against torchrun runs of the same job."""
+"""scripts/ray_train.py on a local Ray cluster of 2 CPU workers, against torchrun runs of the
+same job."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -92,7 +94,7 @@ def ray_command(*args: str, max_failures: int = 2, own: tuple[str, ...] = ()) ->
     (the last of a repeated option wins, argparse's rule)."""
     return [
         sys.executable,
-        "ray_train.py",
+        "scripts/ray_train.py",
         "--address=local",
         "--workers=2",
         f"--max-failures={max_failures}",
@@ -517,8 +519,10 @@ def test_the_shim_arms_its_own_parent_death_signal(tmp_path: Path) -> None:
     itself. A plain parent that starts the shim and is SIGKILLed: the shim dies with it and
     the command under the shim gets the stop signal (it writes it down). Before, only the
     parent's preexec_fn armed the shim: without it, the shim outlived its parent."""
-    import ray_train
-
+    spec = importlib.util.spec_from_file_location("ray_train", REPO / "scripts" / "ray_train.py")
+    assert spec is not None and spec.loader is not None
+    ray_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ray_train)
     assert "preexec_fn" not in inspect.getsource(ray_train.worker_loop)
     got = tmp_path / "got"
     child = (
@@ -530,8 +534,8 @@ def test_the_shim_arms_its_own_parent_death_signal(tmp_path: Path) -> None:
     )
     parent = (
         "import os, subprocess, sys, time\n"
-        "subprocess.Popen([sys.executable, 'ray_train.py', '_shim', str(os.getpid()), 'SIGTERM',"
-        f" sys.executable, '-c', {child!r}])\n"
+        "subprocess.Popen([sys.executable, 'scripts/ray_train.py', '_shim', str(os.getpid()),"
+        f" 'SIGTERM', sys.executable, '-c', {child!r}])\n"
         "time.sleep(120)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO)

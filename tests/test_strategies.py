@@ -271,14 +271,14 @@ def _peak_rss(reset: bool = False) -> int:
 
 
 def _build_sharded(info, factory: str, *extra: str) -> dict:
-    """train.build_model then parallelize under fsdp, as a Trainer does: what this rank built
+    """build.build_model then parallelize under fsdp, as a Trainer does: what this rank built
     on, its peak RSS growth, and the whole model gathered back (rank 0)."""
     import importlib
     from types import SimpleNamespace
 
+    import build
     import distributed
     import parallel
-    import train
 
     cfg = parse_args(["--dist.strategy=fsdp", f"--model.factory={factory}", *extra])
     splits = SimpleNamespace(input_shape=(1, 28, 28), num_classes=10)
@@ -286,7 +286,7 @@ def _build_sharded(info, factory: str, *extra: str) -> dict:
     importlib.import_module(factory.partition(":")[0])
     peak = _peak_rss(reset=True)
     stream = torch.get_rng_state()
-    model = train.build_model(cfg, splits, info)  # type: ignore[arg-type]
+    model = build.build_model(cfg, splits, info)  # type: ignore[arg-type]
     stream_kept = torch.equal(torch.get_rng_state(), stream)
     built_on = {t.device.type for t in distributed.module_tensors(model).values()}
     par = parallel.parallelize(model, info, cfg.dist)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import build
 import resilience
 import train
 from ckpt import parts, storage
@@ -135,8 +136,8 @@ def test_changed_math_settings_are_reported(caplog) -> None:
 def test_model_mismatch_names_the_checkpoint() -> None:
     cfg = parse_args(["--model.widths=8,16"])
     splits = train.data.DataSplits(None, None, (1, 28, 28), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
-    model = train.build_model(cfg, splits, ONE)
-    other = train.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
+    model = build.build_model(cfg, splits, ONE)
+    other = build.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
     manager, _ = manager_with(cfg, model=parts.ModelState(model))
     with pytest.raises(storage.CheckpointError, match="old.pt does not fit this run's model"):
         manager.restore(Path("old.pt"), saved_state(cfg, model=other.state_dict()))
@@ -219,7 +220,7 @@ def test_syncbatch_on_cpu_ranks_is_refused_with_advice_the_model_takes() -> None
     for model, advice in [([], "batch or group"), (["--model.name=resnet18"], "batch")]:
         cfg = parse_args(["--model.norm=syncbatch", *model])
         with pytest.raises(ConfigError, match=rf"needs CUDA .*; use model.norm={advice} on CPU$"):
-            train.build_model(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
+            build.build_model(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
         parse_args([f"--model.norm={advice.split()[-1]}", *model])  # the advice is accepted
 
 
@@ -409,9 +410,9 @@ def test_train_deterministic_turns_on_deterministic_kernels(monkeypatch) -> None
     info = DistInfo(0, 0, 1, torch.device("cpu"))
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
     try:
-        train.configure_cuda(parse_args([]), info)
+        build.configure_cuda(parse_args([]), info)
         assert not torch.are_deterministic_algorithms_enabled()
-        train.configure_cuda(parse_args(["--train.deterministic=true"]), info)
+        build.configure_cuda(parse_args(["--train.deterministic=true"]), info)
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.deterministic

@@ -1,45 +1,18 @@
-"""Run the same training through Ray Train, on a Ray cluster (KubeRay, Anyscale, `ray start`).
+r"""Run the same training through Ray Train, on a Ray cluster (KubeRay, Anyscale, `ray start`).
 
-    python ray_train.py --workers 4 --gpus-per-worker 1 -- --config configs/fashion_mnist.toml
-    python ray_train.py --address local --workers 2 -- --run.dir=runs/ray --train.epochs=2
+    python scripts/ray_train.py --workers 4 --gpus-per-worker 1 -- \
+        --config configs/fashion_mnist.toml
+    python scripts/ray_train.py --address local --workers 2 -- --run.dir=runs/ray --train.epochs=2
 
 Everything after `--` is train.py's command line, unchanged. Needs the `ray` dependency group
 (`uv sync --frozen --group ray`).
 
-How it works: `ray.train.torch.TorchTrainer` places the workers (ScalingConfig) and restarts
-them after a failure (FailureConfig). Each Ray worker runs train.py as a grandchild process with
-the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT: rank 0's node and a port free there, agreed over Ray's own gloo
-group). So a Ray worker runs exactly the pipeline of a torchrun rank: its process group, its
-signal handling, its checkpoints in the run dir. What that gives:
-
-- A request the cluster cannot hold fails at once. Without an autoscaler (`ray start`, a
-  local cluster) the workers' resources are compared with the live nodes before anything
-  starts: exit 2 naming the shortfall, not a worker group that waits forever. `--address
-  local` refuses more CPUs than this machine's cores (unless --force-oversubscribe) and more
-  GPUs than torch.cuda.device_count(). With an autoscaler, the start is retried a bounded
-  number of times (exit 69 after that).
-- Exact resume. After a worker fails, Ray starts a new worker group and train.py resumes from
-  the newest checkpoint in the run dir, as after a torchrun restart.
-- Checkpoints and metrics in Ray. Each checkpoint train.py writes (rank 0, in the run dir) is
-  reported with `ray.train.report`, with the metrics.jsonl rows of its step, so
-  `Result.checkpoint` and `Result.metrics` show them (Ray keeps its copies in `<run.dir>/ray`,
-  ckpt.keep of them).
-- Preemption. A node drain (Ray's notice that a node is about to go: a spot reclaim, a
-  KubeRay pod deletion) reaches the workers through `ray.train.get_preemption_info`; they pass
-  it on to train.py as the stop signal at once, every rank stops at the same step and
-  checkpoints (exit 75). Such an attempt spends `--max-preemptions` (Ray's
-  FailureConfig.max_preemption_failures), not `--max-failures`. When Ray stops a worker instead
-  (a failed peer, Ctrl-C or SIGTERM to this launcher, `ray stop`), it SIGKILLs the worker's
-  children: train.py runs under a small shim process (`_shim` below) that takes that SIGKILL,
-  and train.py gets the stop signal when the shim dies. A new attempt starts once the previous
-  attempt's processes on its node have exited, so that their checkpoint is there to resume
-  from.
-- Exit codes. This launcher exits as train.py does: 0 done; 2 bad input, 3 diverged and 76 no
-  progress end the job at once (retrying cannot help); a crash is retried while
-  `--max-failures` allows, a drain while `--max-preemptions` does, then 75 (every failed rank
-  had checkpointed) or 1. Ctrl-C or SIGTERM to the launcher: 75 once the ranks have reported
-  their checkpoint, else 128 + the signal's number.
+`ray.train.torch.TorchTrainer` places the workers and restarts them after a failure. Each Ray
+worker runs train.py (under a small shim process, `_shim` below) with the environment torchrun
+would give it, so it runs exactly the pipeline of a torchrun rank: its process group, its signal
+handling, its checkpoints in the run dir. Each checkpoint train.py writes is reported to Ray
+(`ray.train.report`); a node drain reaches train.py as its stop signal. This launcher exits as
+train.py does (exitcodes.py). How it places, resumes, preempts and exits: docs/running.md.
 """
 
 from __future__ import annotations
@@ -62,7 +35,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from exitcodes import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat modules
+from exitcodes import (  # noqa: E402
     EXIT_BAD_INPUT,
     EXIT_PREEMPTED,
     EXIT_RENDEZVOUS,
@@ -71,7 +45,7 @@ from exitcodes import (
     PREEMPT_MARKER,
 )
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]  # train.py and the modules it imports
 RUN_ENV = "DDP_RAY_RUN"  # names this launch's processes (in their environment)
 ATTEMPT_ENV = "DDP_RAY_ATTEMPT"  # and the attempt (worker group) they belong to
 PR_SET_PDEATHSIG = 1
@@ -462,7 +436,7 @@ def worker_loop(config: dict[str, Any]) -> int:
     print(f"ray_train.py: attempt {attempt[0]} rank {rank}/{world_size}: train.py", flush=True)
     train = [sys.executable, str(REPO / "train.py"), *config["train_args"]]
     child = subprocess.Popen(
-        [sys.executable, str(REPO / "ray_train.py"), "_shim", str(os.getpid())]
+        [sys.executable, str(REPO / "scripts" / "ray_train.py"), "_shim", str(os.getpid())]
         + [config["stop_signal"], *train],
         cwd=config["cwd"],
         env=env,
@@ -638,9 +612,34 @@ def print_result(result: Any) -> None:
     )
 
 
+def stopped_exit(run_dir: Path, run_id: str, stopped: str, rank0_local: bool) -> int:
+    """The launcher's exit after Ctrl-C or SIGTERM (`stopped` names it)."""
+    # The ranks were told to stop by their shims' deaths: wait for their checkpoint, and
+    # say 75 only when they reported it (a rank killed meanwhile left none).
+    wait_for_ranks(run_dir, run_id, WAIT_FOR_PREVIOUS_S, rank0_local)
+    code = EXIT_PREEMPTED
+    if not checkpointed(run_dir, run_id):
+        code = 128 + (signal.SIGTERM if stopped == "SIGTERM" else signal.SIGINT)
+    print(f"ray_train.py: stopped ({stopped}): exit {code}", file=sys.stderr)
+    return code
+
+
+def finished_exit(result: Any) -> int:
+    """The launcher's exit once Ray's run ended: rank 0's train.py exit."""
+    print_result(result)
+    code = result.return_value
+    if not isinstance(code, int):
+        print(f"ray_train.py: no exit code from rank 0: {result}", file=sys.stderr)
+        return 1
+    print(f"ray_train.py: train.py finished with exit {code}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run train.py's command line on Ray; returns the launcher's exit code."""
     args, train_args = parse(sys.argv[1:] if argv is None else argv)
-    sys.path.insert(0, str(REPO))
+    # cli and config (and tyro) only here: the shim that each rank runs through this file
+    # needs neither
     from cli import parse_args
     from config import ConfigError
 
@@ -691,21 +690,8 @@ def main(argv: list[str] | None = None) -> int:
         if ray.is_initialized():
             ray.shutdown()
     if stopped:
-        # The ranks were told to stop by their shims' deaths: wait for their checkpoint, and
-        # say 75 only when they reported it (a rank killed meanwhile left none).
-        wait_for_ranks(run_dir, run_id, WAIT_FOR_PREVIOUS_S, rank0_local[0])
-        code = EXIT_PREEMPTED
-        if not checkpointed(run_dir, run_id):
-            code = 128 + (signal.SIGTERM if stopped == "SIGTERM" else signal.SIGINT)
-        print(f"ray_train.py: stopped ({stopped}): exit {code}", file=sys.stderr)
-        return code
-    print_result(result)
-    code = result.return_value
-    if not isinstance(code, int):
-        print(f"ray_train.py: no exit code from rank 0: {result}", file=sys.stderr)
-        return 1
-    print(f"ray_train.py: train.py finished with exit {code}", file=sys.stderr)
-    return code
+        return stopped_exit(run_dir, run_id, stopped, rank0_local[0])
+    return finished_exit(result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""What a rank builds on its device before training: the CUDA settings, and the model as the
+parallel strategy needs it.
+
+`build_model` gives every rank the same initial weights (they depend on train.seed alone). Under
+fsdp and hybrid the model stays in host memory for `parallel.parallelize` to shard onto the
+device, and every rank but rank 0 builds it on the meta device (shapes, no memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+import auto
+import data
+import model as models
+import parallel
+from config import Config, ConfigError
+from distributed import DistInfo
+
+log = logging.getLogger("train")  # its lines read as the run's, as they did from train.py
+
+
+def configure_cuda(cfg: Config, info: DistInfo) -> None:
+    """cudnn autotuning (fixed input shapes) and TF32 for fp32 matmuls and convolutions under
+    train.cuda_fast_math, and neither without it; deterministic kernels under
+    train.deterministic (without them a resumed run on a GPU drifts from the uninterrupted
+    one: BENCHMARKS.md, "GPU"; tests/test_gpu.py)."""
+    if cfg.train.deterministic:
+        # cuBLAS reads this when it creates its handle, at the first matmul: before that.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # warn_only: torchvision's models pool with AdaptiveAvgPool2d, whose CUDA backward has
+        # no deterministic kernel; refusing them would refuse the run.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+    if info.device.type != "cuda":
+        return
+    fast = cfg.train.cuda_fast_math
+    # Autotuning may pick another algorithm after a restart: a resumed run would differ.
+    torch.backends.cudnn.benchmark = fast and not cfg.train.deterministic
+    torch.backends.cuda.matmul.allow_tf32 = fast
+    # torch's own default for convolutions is TF32 (allow_tf32=True): off has to be said. Left
+    # on, fsdp and ddp ended apart in "fp32" (the unsharded weights live elsewhere, and cuDNN
+    # chose another TF32 algorithm; BENCHMARKS.md, "GPU").
+    torch.backends.cudnn.allow_tf32 = fast
+
+
+def build_model(
+    cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
+) -> nn.Module:
+    """The model (model.name or model.factory) on this rank's device (under fsdp and hybrid:
+    in host memory, for parallelize to shard onto the device), the same initial
+    weights on every rank; in channels_last memory format as model.channels_last resolves
+    (auto.channels_last)."""
+    if channels_last is None:
+        channels_last = auto.channels_last(cfg.model.channels_last, info.device)
+    # Under fsdp and hybrid the ranks but rank 0 build on the meta device (shapes, no memory,
+    # no initialisation): parallelize gives them their shards of rank 0's weights, so only
+    # rank 0 ever holds the whole model.
+    meta = parallel.shards(cfg.dist.strategy) and not info.is_main
+    # The initial weights depend on train.seed alone; the build draws nothing from the ranks'
+    # own random streams (seed + rank), whatever the model's size or device.
+    devices = [info.device] if info.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        model = _build_on(torch.device("meta") if meta else None, cfg, splits)
+    if cfg.model.norm == "syncbatch" and info.world_size > 1:
+        if info.device.type != "cuda":
+            # SyncBatchNorm.forward refuses CPU tensors ("expected input tensor to be on GPU
+            # or XPU", torch/nn/modules/batchnorm.py). group is mini_resnet's only (config).
+            mini = not cfg.model.factory and cfg.model.name == models.MINI_RESNET
+            other = "batch or group" if mini else "batch"
+            raise ConfigError(
+                "model.norm=syncbatch needs CUDA devices (SyncBatchNorm runs on GPUs only); "
+                f"use model.norm={other} on CPU"
+            )
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if parallel.shards(cfg.dist.strategy):
+        # Left in host memory: fully_shard moves each unit to the device as it shards it, so
+        # the device holds one unit whole at a time, never the whole model. FSDP2 refuses
+        # channels_last parameters (the inputs may still be channels_last, and convolutions
+        # then run channels_last): the weights stay contiguous.
+        return model
+    memory_format = torch.channels_last if channels_last else torch.preserve_format
+    return model.to(device=info.device, memory_format=memory_format)
+
+
+def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits) -> nn.Module:
+    """models.build with `device` as the default device (None: as it is). A model that cannot
+    be built on the meta device (an op without a meta kernel in its constructor, a check of
+    its forward that reads values), or that keeps a tensor as a plain attribute (neither a
+    parameter nor a buffer: nothing would give it values), is built in host memory instead:
+    only the memory saving is lost."""
+    if device is None:
+        return models.build(cfg.model, splits.input_shape, splits.num_classes)
+    try:
+        with device:
+            model = models.build(cfg.model, splits.input_shape, splits.num_classes)
+        plain = [
+            f"{prefix}.{key}" if prefix else key
+            for prefix, module in model.named_modules()
+            for key, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and value.is_meta
+        ]
+        if not plain:
+            return model
+        why = f"tensors that are not parameters or buffers: {', '.join(plain[:3])}"
+    except Exception as err:  # any failure: the host build says what is wrong, if anything
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+    log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
+    return models.build(cfg.model, splits.input_shape, splits.num_classes)

@@ -1,0 +1,240 @@
+"""The launch a rank belongs to: the job's checks, the run dir it holds, what it tells the launcher.
+
+`check_job` (collective, before anything is built): every rank runs the same config on the same
+data (preflight) and sees the run dir rank 0 writes. `holding_run_dir` holds the run dir's lease
+(one job per run dir) on rank 0 for the whole run. Once resuming is settled, `check_progress`
+counts the attempt (the crash-loop breaker) and `write_settled` writes config.json.
+`report_to_launcher` and `launch_was_preempted` are this side of the marker files that
+scripts/supervise.py reads (exitcodes.py names them), and `exit_code` picks the exit code a
+failed run ends with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import auto
+import data
+import distributed
+import exitcodes
+import parallel
+import preflight
+import resilience
+import saturation
+from ckpt import rundir, storage
+from config import Config, ConfigError
+from distributed import DistInfo
+
+log = logging.getLogger("train")  # its lines read as the run's, as they did from train.py
+
+
+# ---------------------------------------------------------------------------------------------
+# The job's checks
+
+
+def check_job(cfg: Config, info: DistInfo, data_fingerprint: str, run_dir: Path) -> None:
+    """Collective checks before anything is built: every rank runs the same config on the same
+    data (preflight), the network's bandwidth, and a run dir every rank shares."""
+    if cfg.dist.preflight:
+        preflight.check(info, data_fingerprint, cfg.fingerprint())
+    if cfg.dist.preflight_bandwidth:
+        preflight.bandwidth(info)
+    # After preflight, so that a run.dir differing between nodes is reported as a config
+    # mismatch rather than as a run dir that is not shared.
+    check_run_dir_shared(info, run_dir)
+
+
+def warn_if_oversubscribed(cfg: Config, info: DistInfo, settings: auto.Auto) -> None:
+    """Once per node: more trainer processes and loader workers than the node has cores."""
+    if cfg.log.resources and info.local_rank == 0:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        workers = cfg.data.num_workers if settings.loader == "dataloader" else 0
+        crowded = saturation.oversubscribed(local_ranks, workers, saturation.available_cores())
+        if crowded:
+            log.warning("%s", crowded)
+
+
+def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) -> None:
+    """Refuse to train unless every rank sees the files rank 0 writes in run.dir.
+
+    Rank 0 alone writes checkpoints and every rank reads them back on resume, so a run dir on
+    node-local disks would fail only at the first restart, hours in. Network filesystems may
+    show a new file late (attribute caching): each rank retries for `wait_s` seconds.
+    """
+    if info.world_size == 1:
+        return
+    token = distributed.broadcast_object(uuid.uuid4().hex if info.is_main else None)
+    marker = run_dir / f".shared-check-{token}"
+    distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
+
+    def visible() -> bool:
+        try:
+            return marker.is_file() and marker.read_text() == token
+        except OSError:  # e.g. ESTALE on NFS: treat as not (yet) visible, never skip the vote
+            return False
+
+    deadline = time.monotonic() + wait_s
+    while not visible() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    error = None
+    if not visible():
+        error = ConfigError(
+            f"run.dir={run_dir} is not shared: rank {info.rank} on {socket.gethostname()} "
+            f"cannot see {marker.name}, written there by rank 0. Checkpoints and resume need a "
+            "run.dir on storage every node mounts (NFS, Lustre, a ReadWriteMany volume)"
+        )
+    try:
+        distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
+    finally:  # every rank has voted, so none reads the marker any more
+        if info.is_main:
+            marker.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run dir
+
+
+@contextlib.contextmanager
+def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None]:
+    """Rank 0 takes the run dir's lease (one job per run dir) before anything is written
+    there, and lets go of it at the end; a run refused before writing anything leaves no
+    empty run dir behind. Yields the lease on rank 0, None elsewhere."""
+    run_dir = Path(cfg.run.dir)
+    lease = rundir.Lease(run_dir, cfg.run.lease_timeout_s)
+    created = not run_dir.exists()
+
+    def take_lease() -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lease.acquire()
+
+    try:
+        distributed.run_on_main(info, f"taking the lease of run.dir={run_dir}", take_lease)
+        yield lease if info.is_main else None
+    finally:
+        if info.is_main:
+            lease.release()
+            if created:
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()
+
+
+def check_progress(
+    cfg: Config, info: DistInfo, step: int, lease: rundir.Lease | None = None
+) -> None:
+    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together."""
+    message = None
+    if info.is_main:
+        try:
+            if lease is not None:
+                lease.check()  # progress.json is written only while this job holds the dir
+            rundir.count_attempt(Path(cfg.run.dir), step, cfg.run.max_attempts_without_progress)
+        except rundir.NoProgress as err:
+            message = str(err)
+        # The count is a safeguard: never the reason a run fails. A lost lease stops the run
+        # at its first step (stop_reason), on every rank.
+        except (OSError, rundir.RunDirBusy) as err:
+            log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
+    message = distributed.broadcast_object(message)
+    if message is not None:
+        report_to_launcher(exitcodes.NO_PROGRESS_MARKER, f"no progress from step {step}")
+        raise rundir.NoProgress(message)
+
+
+def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | None = None) -> None:
+    """Once resuming is settled: the config, and where an explicit ckpt.resume started the run
+    (restarts repeating the command then continue from the run's own checkpoints)."""
+    if lease is not None:
+        lease.check()  # another job took the run dir over: write nothing
+    payload = (cfg.to_json() + "\n").encode()
+    storage.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+    resume = cfg.ckpt.resume
+    if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
+        run_dir, resume
+    ):
+        rundir.record_origin(run_dir, resume, step)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the launcher is told
+
+
+def report_to_launcher(variable: str, text: str) -> None:
+    """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
+    is reported by every rank that meets it (atomically: the last writer's text): a rank that
+    exits first makes torchrun stop the others, local rank 0 perhaps before it wrote."""
+    marker = os.environ.get(variable)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not marker or (local_rank != 0 and variable != exitcodes.BAD_INPUT_MARKER):
+        return
+    with contextlib.suppress(OSError):
+        staged = Path(f"{marker}.{os.getpid()}")
+        staged.write_text(text + "\n")
+        os.replace(staged, marker)
+
+
+def launch_was_preempted() -> str:
+    """What the launcher's preemption marker says ('' when unset or empty).
+
+    Workers that checkpointed for a signal only they received exit 75, and torchrun, for which
+    any non-zero exit is a failure, restarts them; the launcher (scripts/supervise.py) stops
+    torchrun once it sees the marker, and until then a restarted worker must not train on.
+    """
+    marker = os.environ.get(exitcodes.PREEMPT_MARKER)
+    if not marker:
+        return ""
+    try:
+        text = Path(marker).read_text().strip()
+    except OSError:
+        return ""
+    return text if text.startswith("checkpoint") else ""
+
+
+def exit_code(err: Exception, batch_size: int) -> int | None:
+    """The exit code of a run that raised `err` (exitcodes.py), logged, and told to the
+    launcher when it is bad input; None for a crash, which the caller raises again (exit 1,
+    with its traceback). `batch_size` (data.batch_size) goes into the out-of-memory advice."""
+    if isinstance(err, rundir.NoProgress):
+        log.error("%s", err)
+        return exitcodes.EXIT_NO_PROGRESS
+    if isinstance(err, resilience.Preempted):
+        log.warning(
+            "%s: checkpoint written, exiting with code %d; resume with the same command",
+            err,
+            exitcodes.EXIT_PREEMPTED,
+        )
+        return exitcodes.EXIT_PREEMPTED
+    if isinstance(err, (resilience.DivergedError, FloatingPointError)):
+        log.error("%s", err)
+        return exitcodes.EXIT_DIVERGED
+    if isinstance(err, OSError):  # by errno: NFS's ESTALE mid-run is retryable, a wrong path is not
+        log.error("%s", exitcodes.describe_os_error(err))
+        code = exitcodes.exit_for_os_error(err)
+        if code == exitcodes.EXIT_BAD_INPUT:
+            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        return code
+    if isinstance(err, (ConfigError, storage.CheckpointError, data.DatasetNotFoundError)):
+        log.error("%s", err)  # a clear message instead of a traceback; every rank exits
+        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        return exitcodes.EXIT_BAD_INPUT
+    if isinstance(err, distributed.PeerError):
+        log.error("%s", err)
+        if err.exit_code == exitcodes.EXIT_BAD_INPUT:
+            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        distributed.outlive_the_root_cause(err)
+        return err.exit_code
+    if not parallel.is_out_of_memory(err):
+        distributed.outlive_the_root_cause(err)
+        return None
+    # The same command on the same machines runs out again: final, with what to change.
+    rank = int(os.environ.get("RANK", "0"))
+    advice = parallel.out_of_memory_advice(err, rank, batch_size)
+    log.error("%s", advice)
+    report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
+    return exitcodes.EXIT_BAD_INPUT
