@@ -28,6 +28,7 @@ from typing import Any, Literal
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
+import exitcodes
 from config import MINI_RESNET, NO_SIGNALS, SHARDED_STRATEGIES, Config, ConfigError
 
 KWARGS_KEYS = ("model.kwargs", "data.kwargs")  # JSON objects, or TOML tables in a file
@@ -506,3 +507,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "train.py") -> Config:
         raise
     check_given(cfg, given, origin)
     return cfg
+
+
+def parse_or_exit(argv: list[str] | None = None) -> Config:
+    """`parse_args`, or exit 2 with the message: train.py's first step, before torch loads.
+
+    Under torchrun a worker's 2 becomes torchrun's 1, which schedulers retry, so the launcher
+    is told through its marker file (exitcodes.report_to_launcher) by every rank that meets
+    the bad input: the first rank to fail ends the others (torchrun stops them), maybe before
+    local rank 0 has parsed its command line."""
+    try:
+        return parse_args(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        sys.exit(exitcodes.EXIT_BAD_INPUT)

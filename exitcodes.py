@@ -19,8 +19,11 @@ Why each code is what it is, and what each launcher does with it: docs/fault-tol
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import signal
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a crash: torchrun turns every worker failure into its own 1
@@ -93,3 +96,17 @@ def describe_os_error(err: OSError) -> str:
     elif err.errno in TRANSIENT_ERRNOS:
         text += ": a transient storage error; a restart resumes from the newest checkpoint"
     return text
+
+
+def report_to_launcher(variable: str, text: str) -> None:
+    """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
+    is reported by every rank that meets it (atomically: the last writer's text): a rank that
+    exits first makes torchrun stop the others, local rank 0 perhaps before it wrote."""
+    marker = os.environ.get(variable)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not marker or (local_rank != 0 and variable != BAD_INPUT_MARKER):
+        return
+    with contextlib.suppress(OSError):
+        staged = Path(f"{marker}.{os.getpid()}")
+        staged.write_text(text + "\n")
+        os.replace(staged, marker)

@@ -4,8 +4,8 @@
 data (preflight) and sees the run dir rank 0 writes. `holding_run_dir` holds the run dir's lease
 (one job per run dir) on rank 0 for the whole run. Once resuming is settled, `check_progress`
 counts the attempt (the crash-loop breaker) and `write_settled` writes config.json.
-`report_to_launcher` and `launch_was_preempted` are this side of the marker files that
-scripts/supervise.py reads (exitcodes.py names them), and `exit_code` picks the exit code a
+`launch_was_preempted` reads the marker files that scripts/supervise.py reads (exitcodes.py
+names them; `exitcodes.report_to_launcher` writes them), and `exit_code` picks the exit code a
 failed run ends with.
 """
 
@@ -143,7 +143,7 @@ def check_progress(
             log.warning("cannot count this attempt in %s: %s", cfg.run.dir, err)
     message = distributed.broadcast_object(message)
     if message is not None:
-        report_to_launcher(exitcodes.NO_PROGRESS_MARKER, f"no progress from step {step}")
+        exitcodes.report_to_launcher(exitcodes.NO_PROGRESS_MARKER, f"no progress from step {step}")
         raise rundir.NoProgress(message)
 
 
@@ -163,20 +163,6 @@ def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | N
 
 # ---------------------------------------------------------------------------------------------
 # What the launcher is told
-
-
-def report_to_launcher(variable: str, text: str) -> None:
-    """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
-    is reported by every rank that meets it (atomically: the last writer's text): a rank that
-    exits first makes torchrun stop the others, local rank 0 perhaps before it wrote."""
-    marker = os.environ.get(variable)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not marker or (local_rank != 0 and variable != exitcodes.BAD_INPUT_MARKER):
-        return
-    with contextlib.suppress(OSError):
-        staged = Path(f"{marker}.{os.getpid()}")
-        staged.write_text(text + "\n")
-        os.replace(staged, marker)
 
 
 def launch_was_preempted() -> str:
@@ -217,16 +203,16 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
         log.error("%s", exitcodes.describe_os_error(err))
         code = exitcodes.exit_for_os_error(err)
         if code == exitcodes.EXIT_BAD_INPUT:
-            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+            exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return code
     if isinstance(err, (ConfigError, storage.CheckpointError, data.DatasetNotFoundError)):
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
-        report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT
     if isinstance(err, distributed.PeerError):
         log.error("%s", err)
         if err.exit_code == exitcodes.EXIT_BAD_INPUT:
-            report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+            exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         distributed.outlive_the_root_cause(err)
         return err.exit_code
     if not parallel.is_out_of_memory(err):
@@ -236,5 +222,5 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
     rank = int(os.environ.get("RANK", "0"))
     advice = parallel.out_of_memory_advice(err, rank, batch_size)
     log.error("%s", advice)
-    report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
+    exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
     return exitcodes.EXIT_BAD_INPUT

@@ -11,35 +11,16 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # a bad command line fails in a second, before torch is imported
-    import contextlib
-    import os
     import signal
 
-    import exitcodes
-    from cli import parse_args
-    from config import ConfigError
+    from cli import parse_or_exit
 
     _EARLY_SIGNALS: list[int] = []
     if "--model.list" not in sys.argv:  # that prints the model names (main), nothing to check
-        try:
-            _early_cfg = parse_args()
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            # Under torchrun a worker's 2 becomes torchrun's 1, which schedulers retry: tell
-            # the launcher as report_to_launcher (below) does.
-            # Every rank, not local rank 0 alone: the first rank to fail ends the others
-            # (torchrun stops them), maybe before local rank 0 has parsed its command line.
-            _marker = os.environ.get(exitcodes.BAD_INPUT_MARKER)
-            if _marker:
-                with contextlib.suppress(OSError):
-                    with open(f"{_marker}.{os.getpid()}", "w") as _f:
-                        _f.write(f"bad input: {err}\n")
-                    os.replace(f"{_marker}.{os.getpid()}", _marker)
-            sys.exit(exitcodes.EXIT_BAD_INPUT)
         # Stop signals that arrive before the training loop's handler is installed (torch's
         # import alone takes seconds, and a scheduler may signal at any time): that handler
         # acts on them.
-        for _name in _early_cfg.run.preempt_signals:
+        for _name in parse_or_exit().run.preempt_signals:
             signal.signal(signal.Signals[_name], lambda signum, _: _EARLY_SIGNALS.append(signum))
 
 import contextlib
@@ -550,7 +531,7 @@ class Trainer:
         if self.info.is_main:  # progress: restarts after this one start counting anew
             rundir.reset_attempts(self.run_dir, step)
         # The launcher (scripts/supervise.py) exits 75 only after this
-        launch.report_to_launcher(
+        exitcodes.report_to_launcher(
             exitcodes.PREEMPT_MARKER, f"checkpoint of step {step} after {signal_name}"
         )
         raise resilience.Preempted(signal_name, step)
@@ -678,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = read_config(argv)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        launch.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT
     setup_logging(int(os.environ.get("RANK", "0")))
     already = launch.launch_was_preempted()
@@ -695,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, info)
         log.info("done: %s", result)
         # A stop signal that came while the run was finishing anyway: done, not preempted.
-        launch.report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
+        exitcodes.report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
         return 0
     except Exception as err:
         code = launch.exit_code(err, cfg.data.batch_size)
