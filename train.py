@@ -64,7 +64,8 @@ import parallel
 import preflight
 import resilience
 import saturation
-from ckpt import parts, rundir, storage
+from ckpt import atomic, parts, rundir
+from ckpt.atomic import CheckpointError
 from ckpt.manager import CheckpointManager
 from config import (
     IGNORED,
@@ -776,7 +777,7 @@ def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | N
     if lease is not None:
         lease.check()  # another job took the run dir over: write nothing
     payload = (cfg.to_json() + "\n").encode()
-    storage.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+    atomic.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
     resume = cfg.ckpt.resume
     if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
         run_dir, resume
@@ -929,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
         if code == exitcodes.EXIT_BAD_INPUT:
             report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return code
-    except (ConfigError, storage.CheckpointError, data.DatasetNotFoundError) as err:
+    except (ConfigError, CheckpointError, data.DatasetNotFoundError) as err:
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
         report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT

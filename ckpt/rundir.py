@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import exitcodes
-from ckpt import storage
+from ckpt import atomic, retention, storage
 from config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     payload = (json.dumps(value) + "\n").encode()
-    storage.atomic_write_bytes(path, lambda f: f.write(payload))
+    atomic.atomic_write_bytes(path, lambda f: f.write(payload))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,8 +543,8 @@ def continues_from_own_checkpoints(run_dir: Path, resume: str) -> bool:
         return False
     directory = storage.checkpoint_dir(run_dir)
     return any(
-        step >= int(record.get("step", 0)) and storage.manifest_path(path).is_file()
-        for step, path in storage.list_checkpoints(directory)
+        step >= int(record.get("step", 0)) and retention.manifest_path(path).is_file()
+        for step, path in retention.list_checkpoints(directory)
     )
 
 

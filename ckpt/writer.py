@@ -4,7 +4,7 @@ A writer thread shares the training process's interpreter lock: pickling and che
 checkpoint in it slowed training down by more than a synchronous save cost (the benchmark's
 `async_checkpoint_stall_ratio` measured 1.73). Here training only copies its tensors into
 shared-memory buffers (allocated at the first save and reused by every later one) and sends
-the plain rest of the state over a socket; a child process runs `storage.save` on them, with
+the plain rest of the state over a socket; a child process runs `single.save` on them, with
 every guarantee a synchronous save has (atomic, fsynced, manifest last, pruning after), and
 the same tensors and strides as the synchronous save writes (each in a storage of its own
 size: a view's larger storage, e.g. FSDP's padded shard, is not written whole).
@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 import exitcodes
-from ckpt import storage
+from ckpt import sharded, single
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ Layout = tuple[str, list[int], list[int], int]  # dtype, shape, strides, element
 
 
 class ProcessSaver:
-    """Writes checkpoints (`storage.save`) in a child process; training stalls only for the
+    """Writes checkpoints (`single.save`) in a child process; training stalls only for the
     copy into shared memory.
 
     At most one write is in flight: `save` first waits for the previous one. A failed write
@@ -142,12 +142,12 @@ class ProcessSaver:
         keep: int,
         accuracy: float | None,
     ) -> None:
-        """Copy `state`'s tensors to the writer's buffers and hand `storage.save` over."""
+        """Copy `state`'s tensors to the writer's buffers and hand `single.save` over."""
         self._hand_over(state, ("save", str(directory), step, keep, accuracy), step)
 
-    def write_sharded(self, plan: storage.ShardedSave) -> None:
+    def write_sharded(self, plan: sharded.ShardedSave) -> None:
         """Copy this rank's pieces of a sharded checkpoint to the buffers and hand their
-        files over (`storage.write_sharded`); `wait()` returns what was written."""
+        files over (`sharded.write_sharded`); `wait()` returns what was written."""
         payloads = {label: payload for label, (_, payload) in plan.files.items()}
         paths = {label: str(path) for label, (path, _) in plan.files.items()}
         self._hand_over(payloads, ("sharded", str(plan.folder), plan.step, paths), plan.step)
@@ -173,7 +173,7 @@ class ProcessSaver:
             )
             self._socket.close()
             self._start()
-        skeleton, leaves = storage._flatten(state, _MARKER)
+        skeleton, leaves = sharded._flatten(state, _MARKER)
         values = [tensor for _, tensor in leaves]  # copied under no_grad: no detach needed
         signatures = [(v.dtype, v.shape, v.stride()) for v in values]
         buffers = self._buffers[: len(values)]
@@ -489,7 +489,7 @@ def _main() -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    """Map the buffers each "buffers" message brings; one `storage.save` (or one rank's
+    """Map the buffers each "buffers" message brings; one `single.save` (or one rank's
     files of a sharded checkpoint) per "job" message, each answered with its outcome."""
     buffers: list[torch.Tensor] = []
     while True:
@@ -514,7 +514,7 @@ def _serve(sock: socket.socket) -> None:
         _, skeleton, count, job = message
         del buffers[count:]
         try:
-            state = storage._unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
+            state = sharded._unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
             reply = ("ok", _run(job, state))
         except BaseException as err:  # reported to the training process, which decides
             reply = ("error", _portable(err))
@@ -524,7 +524,7 @@ def _serve(sock: socket.socket) -> None:
 def _run(job: tuple[Any, ...], state: dict[str, Any]) -> Any:
     if job[0] == "save":
         _, directory, step, keep, accuracy = job
-        return str(storage.save(state, Path(directory), step, keep, accuracy))
+        return str(single.save(state, Path(directory), step, keep, accuracy))
     _, folder, step, paths = job
     files = {label: (Path(paths[label]), payload) for label, payload in state.items()}
-    return storage.write_sharded(storage.ShardedSave(Path(folder), step, files))
+    return sharded.write_sharded(sharded.ShardedSave(Path(folder), step, files))
