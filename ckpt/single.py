@@ -3,15 +3,18 @@ manifest {"file", "bytes", "crc32", "step"}, written last."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckpt import atomic, retention
+from ckpt.atomic import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -68,4 +71,60 @@ def on_host(state: Any, _copies: dict[int, torch.Tensor] | None = None) -> Any:
         return {key: on_host(value, copies) for key, value in state.items()}
     if isinstance(state, list | tuple) and not hasattr(state, "_fields"):
         return type(state)(on_host(value, copies) for value in state)
+    return state
+
+
+def verify(path: Path) -> None:
+    """Check the file `path` against its manifest: present, complete, same bytes as were written.
+
+    While a re-save of the same step is renamed into place, a second manifest
+    (`step_<N>.manifest.next.json`) vouches for the new bytes: either version is accepted.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
+    manifest_file = retention.manifest_path(path)
+    vouched = []
+    for candidate in (manifest_file, retention.next_manifest_path(path)):
+        with contextlib.suppress(FileNotFoundError):
+            vouched.append(retention._read_manifest(candidate))
+    if not vouched:
+        raise CheckpointError(
+            f"checkpoint {path} has no manifest {manifest_file.name}: its save did not finish"
+        )
+    if all(size != expected_bytes for expected_bytes, _ in vouched):
+        raise CheckpointError(
+            f"checkpoint {path} is {size} bytes but its manifest says {vouched[0][0]}: "
+            "truncated or overwritten"
+        )
+    actual = atomic.file_crc32(path)
+    if all((size, actual) != manifest for manifest in vouched):
+        raise CheckpointError(
+            f"checkpoint {path} fails its checksum (crc32 {actual}, manifest says "
+            f"{vouched[0][1]}): the file is corrupted"
+        )
+
+
+def load(path: Path, device: torch.device) -> dict[str, Any]:
+    """Verify the file `path` against its manifest, then load it onto `device` with
+    `weights_only=True` (see storage.load)."""
+    verify(path)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {path} is refused: it holds Python objects that safe loading "
+            f"(torch.load weights_only=True) does not allow, so it was not written by this "
+            f"pipeline or was tampered with; nothing in it was run ({first_line})"
+        ) from err
+    except Exception as err:  # torch reports truncation as a bare zip-reader error
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
+    if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
+        raise CheckpointError(
+            f"checkpoint {path} has no 'model' and 'step' entries: not a "
+            "checkpoint of this pipeline"
+        )
     return state

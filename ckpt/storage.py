@@ -20,15 +20,13 @@ of either kind.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckpt import atomic, retention, sharded
+from ckpt import retention, sharded, single
 from ckpt.atomic import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -61,39 +59,12 @@ def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) 
 
 
 def verify(path: Path) -> None:
-    """Check `path` against its manifest: present, complete, same bytes as were written.
-
-    While a re-save of the same step is renamed into place, a second manifest
-    (`step_<N>.manifest.next.json`) vouches for the new bytes: either version is accepted.
-    """
+    """Check the checkpoint `path` (a file or a sharded checkpoint's folder) against its
+    manifest: present, complete, same bytes as were written."""
     if path.is_dir():
         sharded.verify_sharded(path)
         return
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
-    manifest_file = retention.manifest_path(path)
-    vouched = []
-    for candidate in (manifest_file, retention.next_manifest_path(path)):
-        with contextlib.suppress(FileNotFoundError):
-            vouched.append(retention._read_manifest(candidate))
-    if not vouched:
-        raise CheckpointError(
-            f"checkpoint {path} has no manifest {manifest_file.name}: its save did not finish"
-        )
-    if all(size != expected_bytes for expected_bytes, _ in vouched):
-        raise CheckpointError(
-            f"checkpoint {path} is {size} bytes but its manifest says {vouched[0][0]}: "
-            "truncated or overwritten"
-        )
-    actual = atomic.file_crc32(path)
-    if all((size, actual) != manifest for manifest in vouched):
-        raise CheckpointError(
-            f"checkpoint {path} fails its checksum (crc32 {actual}, manifest says "
-            f"{vouched[0][1]}): the file is corrupted"
-        )
+    single.verify(path)
 
 
 def load(path: str | Path, device: torch.device, verified: bool = False) -> dict[str, Any]:
@@ -107,24 +78,7 @@ def load(path: str | Path, device: torch.device, verified: bool = False) -> dict
     path = Path(path)
     if path.is_dir():
         return sharded.load_sharded(path, device, verified=verified)
-    verify(path)
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(
-            f"checkpoint {path} is refused: it holds Python objects that safe loading "
-            f"(torch.load weights_only=True) does not allow, so it was not written by this "
-            f"pipeline or was tampered with; nothing in it was run ({first_line})"
-        ) from err
-    except Exception as err:  # torch reports truncation as a bare zip-reader error
-        raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
-    if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
-        raise CheckpointError(
-            f"checkpoint {path} has no 'model' and 'step' entries: not a "
-            "checkpoint of this pipeline"
-        )
-    return state
+    return single.load(path, device)
 
 
 def load_for_resume(
