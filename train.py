@@ -777,7 +777,7 @@ def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | N
     if lease is not None:
         lease.check()  # another job took the run dir over: write nothing
     payload = (cfg.to_json() + "\n").encode()
-    atomic.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+    atomic.write_bytes(run_dir / "config.json", lambda f: f.write(payload))
     resume = cfg.ckpt.resume
     if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
         run_dir, resume

@@ -25,7 +25,7 @@ class CheckpointError(RuntimeError):
     exit_code = 2  # bad input: a restart cannot fix it
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,7 +61,7 @@ def write_temporary(path: Path, write: Callable[[BinaryIO], Any]) -> Path:
     return tmp
 
 
-def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: bool = True) -> None:
+def write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: bool = True) -> None:
     """Call `write(file)` on a temporary file next to `path`, then fsync and rename it.
 
     `sync_dir=False` leaves the directory's fsync to a later atomic write in the same
@@ -74,7 +74,7 @@ def atomic_write_bytes(path: Path, write: Callable[[BinaryIO], Any], sync_dir: b
         tmp.unlink(missing_ok=True)
         raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from err
     if sync_dir:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def _os_error_behind(err: BaseException) -> OSError | None:
@@ -154,7 +154,7 @@ def _without_record_crcs() -> Iterator[None]:
         save_config.compute_crc32 = previous
 
 
-def _write_checked(path: Path, payload: Any) -> tuple[Path, int, str]:
+def write_checked(path: Path, payload: Any) -> tuple[Path, int, str]:
     """torch.save `payload` to a fsynced temporary file beside `path`; (that file, bytes,
     CRC-32). Verified before any manifest vouches for it: complete (the size on disk is what
     was written, after fsync) and checksummed from the very bytes torch.save produced. Reading

@@ -1,8 +1,8 @@
 """What a checkpoint directory holds and keeps: the names of checkpoints and their manifests,
 listing them, best.json, pruning, and the temporary files a killed save left.
 
-Both formats (`single`, `sharded`) call `require_finite` and `_remove_stale_temporaries` before
-they write, and `_finish` (best.json, then pruning) once their manifest exists.
+Both formats (`single`, `sharded`) call `require_finite` and `remove_stale_temporaries` before
+they write, and `after_save` (best.json, then pruning) once their manifest exists.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def next_manifest_path(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".pt") + ".manifest.next.json")
 
 
-def _read_manifest(manifest_file: Path) -> tuple[int, str]:
+def read_manifest(manifest_file: Path) -> tuple[int, str]:
     """(bytes, crc32) a manifest vouches for; FileNotFoundError when there is none."""
     try:
         manifest = json.loads(manifest_file.read_text())
@@ -59,7 +59,7 @@ def read_best(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def _remove_stale_temporaries(directory: Path) -> None:
+def remove_stale_temporaries(directory: Path) -> None:
     """Delete temporary files left by a save that was killed (only rank 0 of one job writes
     here, and never two saves at once, so no temporary file belongs to a live save)."""
     for path in [*directory.glob(".*.tmp"), *directory.glob("step_*/.*.tmp")]:
@@ -69,11 +69,8 @@ def _remove_stale_temporaries(directory: Path) -> None:
     for pending in directory.glob("step_*.manifest.next.json"):
         path = pending.with_name(pending.name.removesuffix(".manifest.next.json") + ".pt")
         try:
-            size, crc = _read_manifest(pending)
-            settled = path.is_file() and (path.stat().st_size, atomic.file_crc32(path)) == (
-                size,
-                crc,
-            )
+            vouched = read_manifest(pending)
+            settled = path.is_file() and (path.stat().st_size, atomic.file_crc32(path)) == vouched
         except (OSError, CheckpointError):
             settled = False
         if settled:
@@ -82,7 +79,7 @@ def _remove_stale_temporaries(directory: Path) -> None:
             pending.unlink(missing_ok=True)
 
 
-def _finish(directory: Path, step: int, keep: int, accuracy: float | None) -> None:
+def after_save(directory: Path, step: int, keep: int, accuracy: float | None) -> None:
     """After a checkpoint's manifest: best.json, then pruning the older ones."""
     best = read_best(directory)
     if best is not None and best["step"] > step:  # left by an abandoned later run: stale
@@ -90,7 +87,7 @@ def _finish(directory: Path, step: int, keep: int, accuracy: float | None) -> No
     if accuracy is not None and (best is None or accuracy > best["accuracy"]):
         best = {"step": step, "accuracy": accuracy}
         best_payload = json.dumps(best).encode()
-        atomic.atomic_write_bytes(directory / BEST_FILE, lambda f: f.write(best_payload))
+        atomic.write_bytes(directory / BEST_FILE, lambda f: f.write(best_payload))
     _prune(directory, keep, step, best["step"] if best else None)
 
 

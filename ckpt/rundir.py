@@ -194,7 +194,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     payload = (json.dumps(value) + "\n").encode()
-    atomic.atomic_write_bytes(path, lambda f: f.write(payload))
+    atomic.write_bytes(path, lambda f: f.write(payload))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,14 @@
 """The sharded checkpoint format: a folder `step_<N>/` in which every rank writes its own
 pieces of the tensors (rank_<r>.pt) in parallel, rank 0 the rest of the state (meta.pt), and a
-manifest {"format": "sharded", "step", "files": {name: {"bytes", "crc32"}}}, written last."""
+manifest {"format": "sharded", "step", "files": {name: {"bytes", "crc32"}}}, written last.
+
+Who writes what (no byte twice):
+- a DTensor sharded on dim 0 (FSDP2 parameters and their optimizer state): each rank its
+  own rows (torch.chunk's split); under hybrid only the ranks of the first replica;
+- any other tensor: the lowest rank that holds it, whole. Tensors every rank holds are not
+  all the same on every rank (each rank's BatchNorm statistics moved with its own batch
+  since the step began), and a checkpoint holds rank 0's, as a single-file one does.
+"""
 
 from __future__ import annotations
 
@@ -24,18 +32,7 @@ log = logging.getLogger(__name__)
 SHARDED = "sharded"  # the manifest's "format" of a sharded checkpoint
 
 
-# ---------------------------------------------------------------------------------------------
-# Sharded checkpoints: every rank writes its own pieces of the tensors, in parallel
-#
-# Who writes what (no byte twice):
-# - a DTensor sharded on dim 0 (FSDP2 parameters and their optimizer state): each rank its
-#   own rows (torch.chunk's split); under hybrid only the ranks of the first replica;
-# - any other tensor: the lowest rank that holds it, whole. Tensors every rank holds are not
-#   all the same on every rank (each rank's BatchNorm statistics moved with its own batch
-#   since the step began), and a checkpoint holds rank 0's, as a single-file one does.
-
-
-def _flatten(state: Any, marker: str = "__tensor__") -> tuple[Any, list[tuple[str, Any]]]:
+def flatten(state: Any, marker: str = "__tensor__") -> tuple[Any, list[tuple[str, Any]]]:
     """(skeleton, leaves): `state` with each tensor replaced by {marker: its index in
     leaves}, and the leaves as (name, tensor), the name its path of keys. A state that holds
     skeletons itself (a sharded checkpoint's meta, on its way to a writer process) is
@@ -64,13 +61,13 @@ def _flatten(state: Any, marker: str = "__tensor__") -> tuple[Any, list[tuple[st
     return walk(state, ""), leaves
 
 
-def _unflatten(skeleton: Any, tensors: dict[int, torch.Tensor], marker: str = "__tensor__") -> Any:
+def unflatten(skeleton: Any, tensors: dict[int, torch.Tensor], marker: str = "__tensor__") -> Any:
     if isinstance(skeleton, dict):
         if skeleton.keys() == {marker}:
             return tensors[int(skeleton[marker])]
-        return {key: _unflatten(item, tensors, marker) for key, item in skeleton.items()}
+        return {key: unflatten(item, tensors, marker) for key, item in skeleton.items()}
     if isinstance(skeleton, list | tuple):
-        return type(skeleton)(_unflatten(item, tensors, marker) for item in skeleton)
+        return type(skeleton)(unflatten(item, tensors, marker) for item in skeleton)
     return skeleton
 
 
@@ -92,7 +89,7 @@ def _pieces(
     leaves: list[tuple[str, Any]], rank: int, gather: Callable[[Any], list[Any]]
 ) -> tuple[dict[str, tuple[torch.Tensor, int, int]], list[dict[str, Any]]]:
     """What this rank writes ({name: (rows, start, stop)}) and every rank's description of
-    its leaves ({name: (shape, dtype, sharded)}), by the rules above. `gather` is the
+    its leaves ({name: (shape, dtype, sharded)}), by the module's rules. `gather` is the
     all-gather of Python objects (a collective)."""
     from torch.distributed.tensor import DTensor
 
@@ -123,8 +120,8 @@ def _pieces(
 
 
 def _write_pieces(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
-    """`atomic._write_checked`, renamed into place; {"bytes", "crc32"} of what was written."""
-    tmp, size, crc = atomic._write_checked(path, payload)
+    """`atomic.write_checked`, renamed into place; {"bytes", "crc32"} of what was written."""
+    tmp, size, crc = atomic.write_checked(path, payload)
     os.replace(tmp, path)
     return {"bytes": size, "crc32": crc}
 
@@ -183,7 +180,7 @@ def prepare_sharded(
     folder (rank 0, after `check`), and rank 0's meta.pt: every tensor's shape, dtype and
     pieces. The payloads hold the live tensors (their local shards): write them, or copy
     them, before training changes them."""
-    skeleton, leaves = _flatten(state)
+    skeleton, leaves = flatten(state)
     folder = directory / f"step_{step}"
     token = gather(os.urandom(4).hex() if rank == 0 else None)[0]
     error: BaseException | None = None
@@ -197,7 +194,7 @@ def prepare_sharded(
             if check is not None:
                 check()
             directory.mkdir(parents=True, exist_ok=True)
-            retention._remove_stale_temporaries(directory)
+            retention.remove_stale_temporaries(directory)
             folder.mkdir(exist_ok=True)
     except Exception as err:
         error = err
@@ -259,14 +256,14 @@ def finish_sharded(
     if rank == 0:
         try:
             meta = plan.files["meta"][0].name
-            atomic._fsync_dir(folder)
+            atomic.fsync_dir(folder)
             manifest = {"format": SHARDED, "step": plan.step, "meta": meta, "files": listed}
             payload = (json.dumps(manifest) + "\n").encode()
-            atomic.atomic_write_bytes(retention.manifest_path(folder), lambda f: f.write(payload))
+            atomic.write_bytes(retention.manifest_path(folder), lambda f: f.write(payload))
             for stale in folder.iterdir():  # a re-save's predecessor, vouched for no longer
                 if stale.name not in listed:
                     stale.unlink(missing_ok=True)
-            retention._finish(directory, plan.step, keep, accuracy)
+            retention.after_save(directory, plan.step, keep, accuracy)
             total = sum(entry["bytes"] for entry in listed.values())
             log.info("saved sharded checkpoint %s (%d files, %d bytes)", folder, len(listed), total)
         except Exception as err:
@@ -353,7 +350,7 @@ def load_sharded(folder: Path, device: torch.device, verified: bool = False) -> 
                     f" has {filled} of its {shape[0]} rows"
                 )
             tensors[int(index)] = whole  # in host memory: each part moves its own share
-        state = _unflatten(skeleton, tensors)
+        state = unflatten(skeleton, tensors)
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:

@@ -30,7 +30,7 @@ def save(
     """
     retention.require_finite(state.get("model", {}), step)
     directory.mkdir(parents=True, exist_ok=True)
-    retention._remove_stale_temporaries(directory)
+    retention.remove_stale_temporaries(directory)
     path = directory / f"step_{step}.pt"
     # Re-saving a step (a resumed run saves again the step it was preempted at) must not
     # invalidate the good checkpoint of that step before its replacement is durable: the new
@@ -38,18 +38,18 @@ def save(
     # renamed over the old ones, and only then does the manifest proper change. At every
     # point the file under the final name matches one of the two manifests.
     replacing = path.exists() or retention.manifest_path(path).exists()
-    tmp, size, expected = atomic._write_checked(path, on_host(state))
+    tmp, size, expected = atomic.write_checked(path, on_host(state))
     manifest = {"file": path.name, "bytes": size, "crc32": expected, "step": step}
     payload = (json.dumps(manifest) + "\n").encode()
     if replacing:
-        atomic.atomic_write_bytes(retention.next_manifest_path(path), lambda f: f.write(payload))
+        atomic.write_bytes(retention.next_manifest_path(path), lambda f: f.write(payload))
     # The manifest's write below fsyncs the directory for this rename too. Until then a crash
     # may lose the new name: loading skips a manifest without its file, and the older ones
     # remain.
     os.replace(tmp, path)
-    atomic.atomic_write_bytes(retention.manifest_path(path), lambda f: f.write(payload))
+    atomic.write_bytes(retention.manifest_path(path), lambda f: f.write(payload))
     retention.next_manifest_path(path).unlink(missing_ok=True)
-    retention._finish(directory, step, keep, accuracy)
+    retention.after_save(directory, step, keep, accuracy)
     log.info("saved checkpoint %s (%d bytes, crc32 %s)", path, size, expected)
     return path
 
@@ -89,7 +89,7 @@ def verify(path: Path) -> None:
     vouched = []
     for candidate in (manifest_file, retention.next_manifest_path(path)):
         with contextlib.suppress(FileNotFoundError):
-            vouched.append(retention._read_manifest(candidate))
+            vouched.append(retention.read_manifest(candidate))
     if not vouched:
         raise CheckpointError(
             f"checkpoint {path} has no manifest {manifest_file.name}: its save did not finish"

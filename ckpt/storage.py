@@ -1,4 +1,5 @@
-"""Checkpoints: atomic, verified writes, retention, and safe loading on every rank.
+"""A run's checkpoint directory: where it is, and loading from it: any checkpoint by its format
+(`single`, `sharded`), the newest usable one to resume from, and refusing later ones.
 
 Layout of `<run.dir>/checkpoints/`:
     step_<N>.pt             a checkpoint in one file, written by rank 0 with `torch.save`
@@ -15,7 +16,7 @@ Every file is written to a temporary name in the same directory, fsynced, rename
 final name and the directory fsynced: a crash at any point leaves the previous checkpoints
 as they were and at worst an incomplete new one, which loading recognises and skips. Loading
 unpickles nothing but tensors and plain data (`torch.load(weights_only=True)`), for every file
-of either kind.
+of either kind. The writes: ckpt/atomic.py; what the directory keeps: ckpt/retention.py.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ _PR_SET_PDEATHSIG = 1
 _FDS_PER_MESSAGE = 64  # a batch (the kernel's SCM_MAX_FD is 253): few open at once
 _HEADER = struct.Struct("!QI")  # payload bytes, descriptors
 _REPO = Path(__file__).resolve().parents[1]
-# Where a shared buffer goes in a message: not storage's own "__tensor__", which a sharded
+# Where a shared buffer goes in a message: not sharded.flatten's own "__tensor__", which a sharded
 # checkpoint's meta holds as data
 _MARKER = "__shared_buffer__"
 
@@ -173,7 +173,7 @@ class ProcessSaver:
             )
             self._socket.close()
             self._start()
-        skeleton, leaves = sharded._flatten(state, _MARKER)
+        skeleton, leaves = sharded.flatten(state, _MARKER)
         values = [tensor for _, tensor in leaves]  # copied under no_grad: no detach needed
         signatures = [(v.dtype, v.shape, v.stride()) for v in values]
         buffers = self._buffers[: len(values)]
@@ -514,7 +514,7 @@ def _serve(sock: socket.socket) -> None:
         _, skeleton, count, job = message
         del buffers[count:]
         try:
-            state = sharded._unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
+            state = sharded.unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
             reply = ("ok", _run(job, state))
         except BaseException as err:  # reported to the training process, which decides
             reply = ("error", _portable(err))

@@ -559,7 +559,7 @@ def measure_checkpoint(rig: Rig, plan: Plan) -> dict[str, Any]:
         payload = os.urandom((directory / f"step_{step}.pt").stat().st_size)
         raws.append(timed(partial(write_raw, raw_path, payload), rig.info.device))
         raw_path.unlink()
-        small = partial(atomic.atomic_write_bytes, small_path, lambda f: f.write(b"{}"))
+        small = partial(atomic.write_bytes, small_path, lambda f: f.write(b"{}"))
         smalls.append(timed(small, rig.info.device))
     save_s, raw_s = Spread.of(saves[1:]), Spread.of(raws[1:])
     large = measure_large_checkpoint(directory, plan, rig.info.device)

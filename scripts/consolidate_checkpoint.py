@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                     "off): leave --ema out"
                 )
             weights = state["ema"]["weights"] if args.ema else state["model"]
-            atomic.atomic_write_bytes(args.weights, lambda f: torch.save(weights, f))
+            atomic.write_bytes(args.weights, lambda f: torch.save(weights, f))
             print(f"wrote {args.weights}: {len(weights)} tensors of step {step}")
             return 0
         written = args.out / f"step_{step}.pt"

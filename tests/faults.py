@@ -182,12 +182,12 @@ def install(plan: Plan) -> None:
 
     _wrap(atomic, "write_temporary", write_temporary)
 
-    def atomic_write_bytes(original: Callable, path: Path, *args: Any, **kwargs: Any) -> None:
+    def write_bytes(original: Callable, path: Path, *args: Any, **kwargs: Any) -> None:
         if path.name.endswith(".manifest.json"):  # the renamed .pt's own manifest comes next
             plan.fire("save", "renamed")
         return original(path, *args, **kwargs)
 
-    _wrap(atomic, "atomic_write_bytes", atomic_write_bytes)
+    _wrap(atomic, "write_bytes", write_bytes)
     # save reads best.json right after the manifest is written, before pruning anything
     _wrap(retention, "read_best", lambda read, *a: (plan.fire("save", "manifest"), read(*a))[1])
 

@@ -416,8 +416,8 @@ def saver():
 def loaded_equal(path: Path, reference: dict) -> None:
     """Every tensor of checkpoint `path` equals, with its strides, `reference`'s."""
     state = storage.load(path, CPU)
-    _, got = sharded._flatten(state)
-    _, want = sharded._flatten(reference)
+    _, got = sharded.flatten(state)
+    _, want = sharded.flatten(reference)
     assert [name for name, _ in got] == [name for name, _ in want]
     for (name, a), (_, b) in zip(got, want, strict=True):
         assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype, name
@@ -446,8 +446,8 @@ def test_async_save_writes_the_state_as_it_was_when_called(tmp_path, saver) -> N
 
 
 def to_clone(state: dict) -> dict:
-    skeleton, leaves = sharded._flatten(state)
-    return sharded._unflatten(skeleton, {i: t.clone() for i, (_, t) in enumerate(leaves)})
+    skeleton, leaves = sharded.flatten(state)
+    return sharded.unflatten(skeleton, {i: t.clone() for i, (_, t) in enumerate(leaves)})
 
 
 def test_async_save_keeps_channels_last_strides(tmp_path, saver) -> None:

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (ckpt/storage.py save_sharded / load_sharded): every rank writes its own
+"""Sharded checkpoints (ckpt/sharded.py save_sharded / load_sharded): every rank writes its own
 piece, the manifest lists every file's size and CRC-32, loading never unpickles anything but
 tensors and plain data, a bad shard is named and skipped, and a re-save never leaves a step
 without a complete checkpoint.
@@ -149,14 +149,14 @@ def test_a_resave_of_a_step_that_dies_before_its_manifest_leaves_the_old_one_who
     """A resumed run preempted at the step it started from saves that step again: until the
     new manifest replaces the old one, the old files stay and load."""
     folder = save_alone(a_state(2, 1.0), tmp_path, 2)
-    real = atomic.atomic_write_bytes
+    real = atomic.write_bytes
 
     def dies_at_the_manifest(path, *args, **kwargs):
         if path.name.endswith(".manifest.json"):
             raise OSError(5, "killed before the manifest")
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(atomic, "atomic_write_bytes", dies_at_the_manifest)
+    monkeypatch.setattr(atomic, "write_bytes", dies_at_the_manifest)
     with pytest.raises(OSError):
         save_alone(a_state(2, 9.0), tmp_path, 2)
     monkeypatch.undo()
