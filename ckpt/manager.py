@@ -354,7 +354,7 @@ class CheckpointManager:
         A different world size is fine, also mid-epoch: the position is a count of samples.
         Changes of the global batch, the schedule, the model or the data are reported.
         """
-        cfg, info = self.cfg, self.info
+        cfg = self.cfg
         required = [key for key in self.parts if key not in self.optional]
         missing = [key for key in (*required, *_REQUIRED_META) if key not in state]
         if missing:
@@ -390,6 +390,18 @@ class CheckpointManager:
                 f"{position['epoch']}, but an epoch of this run has {self.num_train} samples: "
                 "the dataset or data.subset changed"
             )
+        changed = self._math_changes(state)
+        if changed:
+            log.warning(
+                "resuming %s with settings that change the training math: %s",
+                path,
+                "; ".join(changed),
+            )
+
+    def _math_changes(self, state: dict[str, Any]) -> list[str]:
+        """What differs between the checkpoint's run and this one that changes the training
+        math: settings, the global batch, the data."""
+        cfg, info = self.cfg, self.info
         old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
         changed = [
             f"{key} {old.get(key)!r} -> {new[key]!r}"
@@ -406,12 +418,7 @@ class CheckpointManager:
             )
         if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
             changed.append("the training or evaluation data")
-        if changed:
-            log.warning(
-                "resuming %s with settings that change the training math: %s",
-                path,
-                "; ".join(changed),
-            )
+        return changed
 
 
 _REQUIRED_META = ("step", "world_size", "global_batch_size", "config")
