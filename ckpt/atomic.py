@@ -133,9 +133,9 @@ def _without_record_crcs() -> Iterator[None]:
 
     The manifest's CRC-32 covers every byte of the file already, and torch.load does not check
     the records' CRCs (a flipped bit in a tensor loads as a wrong value, without an error:
-    tests/test_checkpoint.py). Computing both cost a quarter of a save's CPU time: 62-65 ms
-    against 46-48 ms for 64 MiB on this project's 2-core VM (BENCHMARKS.md), time taken from
-    training wherever the writer process has no core of its own. Zip tools (`unzip -t`)
+    tests/test_checkpoint.py). Computing both cost a save CPU time (BENCHMARKS.md,
+    "Checkpoints"), taken from training wherever the writer process has no core of its own.
+    Zip tools (`unzip -t`)
     report the records' zeroed CRCs as wrong; torch.load reads the file. torch 2.14 keeps a
     setting made this way per thread (a ContextVar in torch/utils/_config_module.py), so a
     torch.save in another thread keeps its CRCs; a release that keeps it per process would
