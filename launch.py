@@ -28,7 +28,8 @@ import parallel
 import preflight
 import resilience
 import saturation
-from ckpt import rundir, storage
+from ckpt import atomic, rundir
+from ckpt.atomic import CheckpointError
 from config import Config, ConfigError
 from distributed import DistInfo
 
@@ -153,7 +154,7 @@ def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | N
     if lease is not None:
         lease.check()  # another job took the run dir over: write nothing
     payload = (cfg.to_json() + "\n").encode()
-    storage.atomic_write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+    atomic.write_bytes(run_dir / "config.json", lambda f: f.write(payload))
     resume = cfg.ckpt.resume
     if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
         run_dir, resume
@@ -205,7 +206,7 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
         if code == exitcodes.EXIT_BAD_INPUT:
             exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return code
-    if isinstance(err, (ConfigError, storage.CheckpointError, data.DatasetNotFoundError)):
+    if isinstance(err, (ConfigError, CheckpointError, data.DatasetNotFoundError)):
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits
         exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import distributed
-from ckpt import storage
+from ckpt import atomic
 from distributed import DistInfo
 from engine import StepStats
 
@@ -328,7 +328,7 @@ class MetricsWriter:
         if len(kept) == len(lines) and all(line.endswith("\n") for line in lines):
             return
         payload = "".join(kept).encode("utf-8")
-        storage.atomic_write_bytes(path, lambda f: f.write(payload))
+        atomic.write_bytes(path, lambda f: f.write(payload))
         log.info(
             "metrics.jsonl: kept %d rows up to step %d, dropped %d from after it",
             len(kept),

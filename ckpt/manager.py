@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkabl
 
 import distributed
 import parallel
-from ckpt import rundir, storage, writer
+from ckpt import rundir, sharded, single, storage, writer
+from ckpt.atomic import CheckpointError
 from config import Config, ConfigError, global_batch_size
 from distributed import DistInfo
 
@@ -87,7 +88,7 @@ class CheckpointManager:
         self.classes = list(classes) if classes is not None else None  # label -> class name
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
         self.directory = storage.checkpoint_dir(cfg.run.dir)
-        # Sharded: every rank writes its own piece of each tensor (storage.save_sharded).
+        # Sharded: every rank writes its own piece of each tensor (sharded.save_sharded).
         self.sharded = cfg.ckpt.format == "sharded" or (
             cfg.ckpt.format == "auto" and parallel.shards(cfg.dist.strategy)
         )
@@ -106,7 +107,7 @@ class CheckpointManager:
             distributed.raise_if_any_failed(info, error, "starting the checkpoint writer")
         # A sharded checkpoint handed to the writers, not yet vouched for by its manifest
         # (written once every rank's writer is done: `settle`), and its accuracy.
-        self.pending: tuple[storage.ShardedSave, float | None] | None = None
+        self.pending: tuple[sharded.ShardedSave, float | None] | None = None
         self.parts: dict[str, Stateful] = {}
         # Parts a setting turns on: name -> (setting, how the part starts when a checkpoint
         # written without it is resumed).
@@ -161,7 +162,7 @@ class CheckpointManager:
                 self.lease.check()  # another job took the run dir over: write nothing
             state = {**states, **self._meta(step, accuracy, pending_eval)}
             if self.saver is None:
-                storage.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
+                single.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
                 return
             self.saver.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
             if wait:
@@ -184,7 +185,7 @@ class CheckpointManager:
         state = {**states, **self._meta(step, accuracy, pending_eval)}
         rank, gather, agree, check = self._collectives()
         if self.saver is None:
-            storage.save_sharded(
+            sharded.save_sharded(
                 state,
                 self.directory,
                 step,
@@ -196,7 +197,7 @@ class CheckpointManager:
                 check,
             )
             return
-        plan = storage.prepare_sharded(state, self.directory, step, rank, gather, agree, check)
+        plan = sharded.prepare_sharded(state, self.directory, step, rank, gather, agree, check)
         error: BaseException | None = None
         try:
             self.saver.write_sharded(plan)  # returns once the pieces are copied
@@ -237,7 +238,7 @@ class CheckpointManager:
         except Exception as err:
             error = err
         rank, gather, agree, check = self._collectives()
-        storage.finish_sharded(
+        sharded.finish_sharded(
             plan, written, error, self.cfg.ckpt.keep, accuracy, rank, gather, agree, check
         )
 
@@ -307,7 +308,7 @@ class CheckpointManager:
             try:
                 part.load_state_dict(state[name])
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
-                raise storage.CheckpointError(
+                raise CheckpointError(
                     f"checkpoint {path} does not fit this run's {name} (did model.* or "
                     f"optim.name change?): {err}"
                 ) from err
@@ -353,11 +354,11 @@ class CheckpointManager:
         A different world size is fine, also mid-epoch: the position is a count of samples.
         Changes of the global batch, the schedule, the model or the data are reported.
         """
-        cfg, info = self.cfg, self.info
+        cfg = self.cfg
         required = [key for key in self.parts if key not in self.optional]
         missing = [key for key in (*required, *_REQUIRED_META) if key not in state]
         if missing:
-            raise storage.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} lacks {', '.join(missing)}: not written by this version of "
                 "the pipeline"
             )
@@ -389,6 +390,18 @@ class CheckpointManager:
                 f"{position['epoch']}, but an epoch of this run has {self.num_train} samples: "
                 "the dataset or data.subset changed"
             )
+        changed = self._math_changes(state)
+        if changed:
+            log.warning(
+                "resuming %s with settings that change the training math: %s",
+                path,
+                "; ".join(changed),
+            )
+
+    def _math_changes(self, state: dict[str, Any]) -> list[str]:
+        """What differs between the checkpoint's run and this one that changes the training
+        math: settings, the global batch, the data."""
+        cfg, info = self.cfg, self.info
         old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
         changed = [
             f"{key} {old.get(key)!r} -> {new[key]!r}"
@@ -405,12 +418,7 @@ class CheckpointManager:
             )
         if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
             changed.append("the training or evaluation data")
-        if changed:
-            log.warning(
-                "resuming %s with settings that change the training math: %s",
-                path,
-                "; ".join(changed),
-            )
+        return changed
 
 
 _REQUIRED_META = ("step", "world_size", "global_batch_size", "config")
@@ -436,7 +444,7 @@ def upgrade(state: dict[str, Any], path: Path) -> dict[str, Any]:
     if version == FORMAT:
         return state
     if version != 1:
-        raise storage.CheckpointError(
+        raise CheckpointError(
             f"checkpoint {path} has format {version!r}, newer than this pipeline's {FORMAT}: "
             "resume it with the version of the pipeline that wrote it"
         )

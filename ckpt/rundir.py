@@ -12,50 +12,10 @@
 - `origin.json`: the checkpoint an explicit `--ckpt.resume=PATH` initialised this run from, so
   that a restart repeating that command continues from the run's own newer checkpoints.
 
-The lease
----------
-Generations: `<run.dir>/lease.<N>.json`, N = 1, 2, ...; the highest N is the holder. A job
-takes the lease by creating the next generation's file with `O_CREAT | O_EXCL`: of several
-jobs that try at once exactly one creates it, the others get EEXIST, read the winner and are
-refused. The holder writes only its own generation's file (its heartbeat, every
-`run.lease_timeout_s`/4, by write-and-rename), so nothing it writes can land on a newer holder;
-its generation is the fencing token: it may write to the run dir while generation N + 1 does
-not exist and its own last successful renewal is recent.
-
-Who may take the lease over (the newcomer creates N + 1):
-- the same job restarted (a torchrun restart, a Slurm requeue, a pod repeating the command with
-  the same `--rdzv-id`: the same `job_id()`), at once;
-- anyone, when the holder's process is dead: only when the holder ran under the same kernel
-  boot (`/proc/sys/kernel/random/boot_id`) and in the same PID namespace (`/proc/self/ns/pid`)
-  as the newcomer, and its pid is gone, a zombie, or a process started at another time
-  (`/proc/<pid>/stat` field 22: the pid was reused). A host name identifies none of this:
-  `hostNetwork` pods, `--network=host` containers and a replacement pod share it while each
-  has its own PID table, where `kill(pid, 0)` looks at another process or at none;
-- anyone, when the holder's heartbeat is older than the holder's own `run.lease_timeout_s`
-  (recorded in its file). Heartbeats are wall-clock times: the nodes' clocks must agree to
-  well within a quarter of that timeout (NTP).
-
-The holder stops itself: once its last successful renewal is older than three quarters of its
-timeout (`BOOTTIME`, a clock that neither NTP nor a suspend moves back), or once generation
-N + 1 exists. It then writes nothing more, and the training loop stops every rank at the next
-step (`stop_reason`). A read that fails (ESTALE, EIO, a torn file) is never a reason to write:
-the renewal is skipped, and enough skipped renewals stop the holder.
-
-What the filesystems give (why O_EXCL generations and not a lock):
-- NFSv3 and v4 create with `O_EXCL` atomically on the server (open(2): "O_EXCL is supported
-  only when using NFSv3 or later on kernel 2.6 or later"; NFSv3 CREATE EXCLUSIVE carries a
-  verifier, so a retransmitted create is not a second one). Lustre creates on its metadata
-  server, atomically. No mount option is needed.
-- Close-to-open consistency: a file opened after another client closed it shows that
-  client's data; directory listings and negative lookups may be cached for up to `acdirmax`
-  (60 s by default). A newcomer therefore probes the generations above the listing's highest
-  by name, and the O_EXCL create is the arbiter in any case.
-- A file renamed over on NFS may make a reader's open file handle stale (ESTALE): readers
-  retry, and a renewal skips rather than writes.
-- `fcntl` locks are not relied on: NFSv4 keeps them as server state under the client's lease
-  (90 s by default), NFSv3 needs lockd/statd (NLM), and with `nolock` they are local to one
-  client, silently; Lustre refuses them (ENOSYS) without the `flock` mount option and keeps them
-  on one client with `localflock`. A lock that quietly covers one node would let two jobs in.
+The lease is a chain of generations, `<run.dir>/lease.<N>.json`, each created with `O_CREAT |
+O_EXCL` (of several jobs exactly one creates it); the highest N holds it and writes only its
+own file. Who may take it over, when the holder stops itself, and why O_EXCL files and not
+locks on NFS and Lustre: docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
@@ -74,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import exitcodes
-from ckpt import storage
+from ckpt import atomic, retention, storage
 from config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -194,7 +154,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     payload = (json.dumps(value) + "\n").encode()
-    storage.atomic_write_bytes(path, lambda f: f.write(payload))
+    atomic.write_bytes(path, lambda f: f.write(payload))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,8 +503,8 @@ def continues_from_own_checkpoints(run_dir: Path, resume: str) -> bool:
         return False
     directory = storage.checkpoint_dir(run_dir)
     return any(
-        step >= int(record.get("step", 0)) and storage.manifest_path(path).is_file()
-        for step, path in storage.list_checkpoints(directory)
+        step >= int(record.get("step", 0)) and retention.manifest_path(path).is_file()
+        for step, path in retention.list_checkpoints(directory)
     )
 
 

@@ -2,37 +2,17 @@
 
 A writer thread shares the training process's interpreter lock: pickling and checksumming a
 checkpoint in it slowed training down by more than a synchronous save cost (the benchmark's
-`async_checkpoint_stall_ratio` measured 1.73). Here training only copies its tensors into
-shared-memory buffers (allocated at the first save and reused by every later one) and sends
-the plain rest of the state over a socket; a child process runs `storage.save` on them, with
-every guarantee a synchronous save has (atomic, fsynced, manifest last, pruning after), and
-the same tensors and strides as the synchronous save writes (each in a storage of its own
-size: a view's larger storage, e.g. FSDP's padded shard, is not written whole).
+`async_checkpoint_stall_ratio`; BENCHMARKS.md, "Checkpoints"). Here training only copies its
+tensors into shared-memory buffers (allocated at the first save and reused by every later one)
+and sends the plain rest of the state over a socket; a child process runs `single.save` on
+them, with every guarantee a synchronous save has (atomic, fsynced, manifest last, pruning
+after), and the same tensors and strides as the synchronous save writes.
 
-The writer process:
-- is a fresh interpreter (`python -c`, not `multiprocessing`): nothing of the training
-  process is forked (it runs gloo/NCCL threads) and, unlike multiprocessing's `spawn`, the
-  user's main script is not run again in it;
-- gets each buffer as an anonymous shared-memory file (memfd) passed over a Unix socket
-  (SCM_RIGHTS), 64 at a time, each batch mapped and closed by both processes before
-  the next: no file descriptor stays open per tensor (torch.multiprocessing's
-  file_descriptor strategy keeps one per storage in both processes, past the common limit
-  of 1024 for a ResNet-50 with AdamW; the kernel also counts descriptors in flight against
-  it), nothing is named in /dev/shm (a container's is 64 MiB by default), and nothing
-  outlives the two processes;
-- ignores the signals a cluster sends every process of a job (SIGTERM, SIGINT, SIGUSR1/2,
-  SIGHUP), from its first instruction (they are blocked when it starts): the training
-  process decides what a preemption means, and a write in flight is finished, not torn;
-- dies with the training process (PR_SET_PDEATHSIG), and ends when the socket closes, so a
-  killed job leaves no writer behind; an interrupted write leaves what a synchronous save
-  killed at that point leaves: a temporary file, or files without a manifest, which loading
-  skips and the next save removes;
-- answers each write with its outcome; `wait()` raises a failed write's error in the
-  training process, and a writer that died (killed, out of memory) is a failed write that
-  names its exit signal.
-
-Host memory: the buffers hold one copy of the checkpointed tensors for the life of the run
-(the thread-based saver allocated the same copy at every save).
+The writer process is a fresh interpreter (nothing of the training process is forked); it
+gets the buffers as memfds over a Unix socket, a batch at a time; it ignores the signals a
+cluster sends every process of a job and dies with the training process; it answers each
+write with its outcome, and a writer that died is a failed write naming its signal. Why each
+of these, and the host memory the buffers hold: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -58,7 +38,7 @@ from typing import Any
 import torch
 
 import exitcodes
-from ckpt import storage
+from ckpt import sharded, single
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +53,7 @@ _PR_SET_PDEATHSIG = 1
 _FDS_PER_MESSAGE = 64  # a batch (the kernel's SCM_MAX_FD is 253): few open at once
 _HEADER = struct.Struct("!QI")  # payload bytes, descriptors
 _REPO = Path(__file__).resolve().parents[1]
-# Where a shared buffer goes in a message: not storage's own "__tensor__", which a sharded
+# Where a shared buffer goes in a message: not sharded.flatten's own "__tensor__", which a sharded
 # checkpoint's meta holds as data
 _MARKER = "__shared_buffer__"
 
@@ -87,7 +67,7 @@ Layout = tuple[str, list[int], list[int], int]  # dtype, shape, strides, element
 
 
 class ProcessSaver:
-    """Writes checkpoints (`storage.save`) in a child process; training stalls only for the
+    """Writes checkpoints (`single.save`) in a child process; training stalls only for the
     copy into shared memory.
 
     At most one write is in flight: `save` first waits for the previous one. A failed write
@@ -142,12 +122,12 @@ class ProcessSaver:
         keep: int,
         accuracy: float | None,
     ) -> None:
-        """Copy `state`'s tensors to the writer's buffers and hand `storage.save` over."""
+        """Copy `state`'s tensors to the writer's buffers and hand `single.save` over."""
         self._hand_over(state, ("save", str(directory), step, keep, accuracy), step)
 
-    def write_sharded(self, plan: storage.ShardedSave) -> None:
+    def write_sharded(self, plan: sharded.ShardedSave) -> None:
         """Copy this rank's pieces of a sharded checkpoint to the buffers and hand their
-        files over (`storage.write_sharded`); `wait()` returns what was written."""
+        files over (`sharded.write_sharded`); `wait()` returns what was written."""
         payloads = {label: payload for label, (_, payload) in plan.files.items()}
         paths = {label: str(path) for label, (path, _) in plan.files.items()}
         self._hand_over(payloads, ("sharded", str(plan.folder), plan.step, paths), plan.step)
@@ -173,7 +153,7 @@ class ProcessSaver:
             )
             self._socket.close()
             self._start()
-        skeleton, leaves = storage._flatten(state, _MARKER)
+        skeleton, leaves = sharded.flatten(state, _MARKER)
         values = [tensor for _, tensor in leaves]  # copied under no_grad: no detach needed
         signatures = [(v.dtype, v.shape, v.stride()) for v in values]
         buffers = self._buffers[: len(values)]
@@ -279,12 +259,11 @@ class ProcessSaver:
 
 @torch.no_grad()
 def _copy_all(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """`buffer.copy_(value)` for each pair, in one foreach call per device (host tensors: 0.07
-    ms for the default model's 85 tensors against 0.12 ms for a loop, on this project's 2-core
-    VM). From a GPU, each buffer is page-locked once (`_pin`) and the copies are queued without
-    waiting, then waited for together: on an H100, 0.36 ms instead of 1.18 ms for the default
-    job's state, 7.0 ms instead of 36 ms for 293 MiB in 642 tensors (one blocking copy each
-    into pageable memory, the driver staging every one)."""
+    """`buffer.copy_(value)` for each pair, in one foreach call per device (for host tensors,
+    faster than a loop: BENCHMARKS.md, "Checkpoints"). From a GPU, each buffer is page-locked
+    once (`_pin`) and the copies are queued without waiting, then waited for together, instead
+    of one blocking copy each into pageable memory, the driver staging every one (BENCHMARKS.md,
+    "GPU")."""
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for buffer, value in zip(buffers, values, strict=True):
         if value.numel():
@@ -489,7 +468,7 @@ def _main() -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    """Map the buffers each "buffers" message brings; one `storage.save` (or one rank's
+    """Map the buffers each "buffers" message brings; one `single.save` (or one rank's
     files of a sharded checkpoint) per "job" message, each answered with its outcome."""
     buffers: list[torch.Tensor] = []
     while True:
@@ -514,7 +493,7 @@ def _serve(sock: socket.socket) -> None:
         _, skeleton, count, job = message
         del buffers[count:]
         try:
-            state = storage._unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
+            state = sharded.unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
             reply = ("ok", _run(job, state))
         except BaseException as err:  # reported to the training process, which decides
             reply = ("error", _portable(err))
@@ -524,7 +503,7 @@ def _serve(sock: socket.socket) -> None:
 def _run(job: tuple[Any, ...], state: dict[str, Any]) -> Any:
     if job[0] == "save":
         _, directory, step, keep, accuracy = job
-        return str(storage.save(state, Path(directory), step, keep, accuracy))
+        return str(single.save(state, Path(directory), step, keep, accuracy))
     _, folder, step, paths = job
     files = {label: (Path(paths[label]), payload) for label, payload in state.items()}
-    return storage.write_sharded(storage.ShardedSave(Path(folder), step, files))
+    return sharded.write_sharded(sharded.ShardedSave(Path(folder), step, files))

@@ -68,7 +68,7 @@ import metrics  # noqa: E402
 import parallel  # noqa: E402
 import resilience  # noqa: E402
 import train  # noqa: E402
-from ckpt import storage, writer  # noqa: E402
+from ckpt import atomic, sharded, single, storage, writer  # noqa: E402
 from cli import parse_args  # noqa: E402
 from config import (  # noqa: E402
     Config,
@@ -559,7 +559,7 @@ def measure_checkpoint(rig: Rig, plan: Plan) -> dict[str, Any]:
         payload = os.urandom((directory / f"step_{step}.pt").stat().st_size)
         raws.append(timed(partial(write_raw, raw_path, payload), rig.info.device))
         raw_path.unlink()
-        small = partial(storage.atomic_write_bytes, small_path, lambda f: f.write(b"{}"))
+        small = partial(atomic.write_bytes, small_path, lambda f: f.write(b"{}"))
         smalls.append(timed(small, rig.info.device))
     save_s, raw_s = Spread.of(saves[1:]), Spread.of(raws[1:])
     large = measure_large_checkpoint(directory, plan, rig.info.device)
@@ -574,7 +574,7 @@ def measure_checkpoint(rig: Rig, plan: Plan) -> dict[str, Any]:
 
 
 def measure_large_checkpoint(directory: Path, plan: Plan, device: torch.device) -> dict[str, Any]:
-    """storage.save of a 64 MiB state (16 tensors of 4 MiB, the size of a mid-sized
+    """single.save of a 64 MiB state (16 tensors of 4 MiB, the size of a mid-sized
     model's weights and momentum) vs a raw write of its bytes: where the fixed costs of a
     save (torch.save's per-tensor records, the manifest's fsyncs) no longer dominate."""
     state = {"model": {f"w{i}": torch.randn(1 << 20) for i in range(16)}, "step": 0}
@@ -582,7 +582,7 @@ def measure_large_checkpoint(directory: Path, plan: Plan, device: torch.device) 
     saves: list[float] = []
     raws: list[float] = []
     for step in range(plan.repeats + 1):
-        saves.append(timed(partial(storage.save, state, large_dir, step, 1, None), device))
+        saves.append(timed(partial(single.save, state, large_dir, step, 1, None), device))
         payload = os.urandom((large_dir / f"step_{step}.pt").stat().st_size)
         raw_path = large_dir / "raw.bin"
         raws.append(timed(partial(write_raw, raw_path, payload), device))
@@ -905,11 +905,11 @@ def time_checkpoints(
             "optimizer": optim_part.sharded_state_dict(),
             "step": step,
         }
-        storage.save_sharded(state, sharded_dir, step, 1, None, info.rank, gather, agree)
+        sharded.save_sharded(state, sharded_dir, step, 1, None, info.rank, gather, agree)
         times["save_sharded_s"].append(time.perf_counter() - started)
         started = time.perf_counter()
         whole = {"model": model_part.state_dict(), "optimizer": optim_part.state_dict()}
-        write = partial(storage.save, {**whole, "step": step}, file_dir, step, 1, None)
+        write = partial(single.save, {**whole, "step": step}, file_dir, step, 1, None)
         distributed.run_on_main(info, "saving the file checkpoint", write)
         times["save_file_s"].append(time.perf_counter() - started)
         for kind, path in (("sharded", sharded_dir / f"step_{step}"), ("file", None)):
@@ -971,13 +971,13 @@ def time_async_stall(
                 "optimizer": optim_part.sharded_state_dict(),
                 "step": number + 1,
             }
-            plan = storage.prepare_sharded(state, directory, number + 1, info.rank, gather, agree)
+            plan = sharded.prepare_sharded(state, directory, number + 1, info.rank, gather, agree)
             saver.write_sharded(plan)
             handover = clock() - started
             for _ in range(steps):
                 step()
             written = saver.wait()
-            storage.finish_sharded(plan, written, None, 1, None, info.rank, gather, agree)
+            sharded.finish_sharded(plan, written, None, 1, None, info.rank, gather, agree)
             with_save = clock() - started
             if number:
                 times["steps_s"].append(plain)

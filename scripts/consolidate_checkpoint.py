@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's flat 
 
 import torch  # noqa: E402
 
-from ckpt import storage  # noqa: E402
+from ckpt import atomic, retention, single, storage  # noqa: E402
+from ckpt.atomic import CheckpointError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,23 +43,23 @@ def main(argv: list[str] | None = None) -> int:
         step = int(state["step"])
         if args.weights is not None:
             if args.weights.exists():
-                raise storage.CheckpointError(f"--weights={args.weights} exists already")
+                raise CheckpointError(f"--weights={args.weights} exists already")
             if args.ema and "ema" not in state:
-                raise storage.CheckpointError(
+                raise CheckpointError(
                     f"checkpoint {args.checkpoint} has no weight average (train.ema_decay was "
                     "off): leave --ema out"
                 )
             weights = state["ema"]["weights"] if args.ema else state["model"]
-            storage.atomic_write_bytes(args.weights, lambda f: torch.save(weights, f))
+            atomic.write_bytes(args.weights, lambda f: torch.save(weights, f))
             print(f"wrote {args.weights}: {len(weights)} tensors of step {step}")
             return 0
         written = args.out / f"step_{step}.pt"
-        if written.exists() or storage.manifest_path(written).exists():
-            raise storage.CheckpointError(f"{written} exists already")
-        storage.save(state, args.out, step, keep=1_000_000, accuracy=None)
+        if written.exists() or retention.manifest_path(written).exists():
+            raise CheckpointError(f"{written} exists already")
+        single.save(state, args.out, step, keep=1_000_000, accuracy=None)
         print(f"wrote {written} and its manifest (step {step})")
         return 0
-    except (storage.CheckpointError, OSError, KeyError) as err:
+    except (CheckpointError, OSError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -155,7 +155,7 @@ def install(plan: Plan) -> None:
     from torch import nn
 
     import train
-    from ckpt import storage
+    from ckpt import atomic, retention, sharded, single
     from inputs import sources
 
     def is_checkpoint(path: Path) -> bool:  # a checkpoint file, or a file of a sharded one
@@ -163,9 +163,9 @@ def install(plan: Plan) -> None:
         return path.name.endswith(".pt") and named
 
     # -- save stages (rank 0 writes a file; every rank its file of a sharded checkpoint) --
-    _wrap(storage, "save", lambda save, *a, **k: (plan.fire("save", "begin"), save(*a, **k))[1])
+    _wrap(single, "save", lambda save, *a, **k: (plan.fire("save", "begin"), save(*a, **k))[1])
     _wrap(
-        storage,
+        sharded,
         "save_sharded",
         lambda save, *a, **k: (plan.fire("save", "begin"), save(*a, **k))[1],
     )
@@ -180,16 +180,16 @@ def install(plan: Plan) -> None:
 
         return original(path, write_then_fire)
 
-    _wrap(storage, "write_temporary", write_temporary)
+    _wrap(atomic, "write_temporary", write_temporary)
 
-    def atomic_write_bytes(original: Callable, path: Path, *args: Any, **kwargs: Any) -> None:
+    def write_bytes(original: Callable, path: Path, *args: Any, **kwargs: Any) -> None:
         if path.name.endswith(".manifest.json"):  # the renamed .pt's own manifest comes next
             plan.fire("save", "renamed")
         return original(path, *args, **kwargs)
 
-    _wrap(storage, "atomic_write_bytes", atomic_write_bytes)
+    _wrap(atomic, "write_bytes", write_bytes)
     # save reads best.json right after the manifest is written, before pruning anything
-    _wrap(storage, "read_best", lambda read, *a: (plan.fire("save", "manifest"), read(*a))[1])
+    _wrap(retention, "read_best", lambda read, *a: (plan.fire("save", "manifest"), read(*a))[1])
 
     # -- steps --
     def next_micro_batch(original: Callable, trainer: Any) -> Any:

@@ -133,9 +133,9 @@ def free_port() -> int:
 def final_state(run_dir: Path) -> dict:
     """The newest checkpoint of a run dir, loaded (weights_only): a file, or a sharded
     checkpoint's folder put back into whole tensors."""
-    from ckpt import storage
+    from ckpt import retention, storage
 
-    _, newest = storage.list_checkpoints(run_dir / "checkpoints")[-1]
+    _, newest = retention.list_checkpoints(run_dir / "checkpoints")[-1]
     if newest.is_dir():
         return storage.load(newest, torch.device("cpu"))
     return torch.load(newest, weights_only=True)

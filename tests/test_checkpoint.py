@@ -14,7 +14,8 @@ from helpers import REPO, run_ranks
 from torch import nn
 
 import engine
-from ckpt import storage, writer
+from ckpt import atomic, retention, sharded, single, storage, writer
+from ckpt.atomic import CheckpointError
 from config import Config, OptimConfig
 from distributed import DistInfo
 from model import MiniResNet
@@ -55,7 +56,7 @@ def state_of(objs: tuple, step: int) -> dict:
 def test_round_trip_restores_everything_and_training_continues_identically(tmp_path) -> None:
     original = training_objects()
     take_steps(original, 3, seed=1)
-    path = storage.save(state_of(original, 3), tmp_path, step=3, keep=2, accuracy=None)
+    path = single.save(state_of(original, 3), tmp_path, step=3, keep=2, accuracy=None)
     restored = training_objects(seed=99)  # different init: everything must come from the file
     state = storage.load(path, CPU)
     model, optimizer, scheduler, scaler = restored
@@ -81,7 +82,7 @@ def test_round_trip_restores_everything_and_training_continues_identically(tmp_p
 
 def test_checkpoint_loads_with_weights_only(tmp_path) -> None:
     objs = training_objects()
-    path = storage.save(state_of(objs, 1), tmp_path, step=1, keep=1, accuracy=None)
+    path = single.save(state_of(objs, 1), tmp_path, step=1, keep=1, accuracy=None)
     state = torch.load(path, weights_only=True)
     assert set(state["model"]) == set(objs[0].state_dict())
 
@@ -105,7 +106,7 @@ def test_checkpoints_carry_one_checksum_and_torch_save_is_left_as_it_was(tmp_pat
     import struct
     import zlib
 
-    save_config = storage.torch_save_config()
+    save_config = atomic.torch_save_config()
     if save_config is None:
         pytest.skip("this torch has no switch for the zip records' CRCs")
     plain = tmp_path / "user.pt"
@@ -121,10 +122,10 @@ def test_checkpoints_carry_one_checksum_and_torch_save_is_left_as_it_was(tmp_pat
 
     objs = training_objects()
     state = state_of(objs, 1)
-    path = storage.save(state, tmp_path, step=1, keep=3, accuracy=None)
+    path = single.save(state, tmp_path, step=1, keep=3, accuracy=None)
     crcs = _record_crcs(path)
     assert crcs and set(crcs) == {0}
-    manifest = json.loads(storage.manifest_path(path).read_text())
+    manifest = json.loads(retention.manifest_path(path).read_text())
     assert manifest["crc32"] == f"{zlib.crc32(path.read_bytes()):08x}"
     loaded = torch.load(path, weights_only=True)
     assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
@@ -137,7 +138,7 @@ def test_checkpoints_carry_one_checksum_and_torch_save_is_left_as_it_was(tmp_pat
             raise RuntimeError("boom during write")
 
     with pytest.raises(RuntimeError, match="boom"):
-        storage.save({"model": {}, "bad": Unpicklable()}, tmp_path, step=2, keep=3, accuracy=None)
+        single.save({"model": {}, "bad": Unpicklable()}, tmp_path, step=2, keep=3, accuracy=None)
     torch.save({"w": torch.arange(100.0)}, plain)
     assert 0 not in _record_crcs(plain) and save_config.compute_crc32
 
@@ -149,7 +150,7 @@ def _save_from_ddp(info: DistInfo, run_dir: str) -> list[str]:
     ddp = wrap_model(MiniResNet(in_channels=1, num_classes=10, widths=(8, 16)), info)
     assert type(ddp).__name__ == "DistributedDataParallel"
     if info.is_main:
-        storage.save(
+        single.save(
             {"model": unwrap_model(ddp).state_dict(), "step": 0},
             storage.checkpoint_dir(run_dir),
             step=0,
@@ -179,8 +180,8 @@ def test_unwrap_strips_compile_and_ddp_wrappers() -> None:
 def test_retention_keeps_newest_and_best(tmp_path) -> None:
     accuracies = {1: 0.5, 2: 0.9, 3: 0.6, 4: 0.7, 5: None}
     for step, acc in accuracies.items():
-        storage.save({"model": {}, "step": step}, tmp_path, step=step, keep=2, accuracy=acc)
-    assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [2, 4, 5]
+        single.save({"model": {}, "step": step}, tmp_path, step=step, keep=2, accuracy=acc)
+    assert [s for s, _ in retention.list_checkpoints(tmp_path)] == [2, 4, 5]
     assert json.loads((tmp_path / "best.json").read_text()) == {"step": 2, "accuracy": 0.9}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
 
@@ -189,7 +190,7 @@ def test_retention_keeps_newest_and_best(tmp_path) -> None:
 def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damage) -> None:
     directory = storage.checkpoint_dir(tmp_path)
     for step in (10, 20):
-        storage.save(
+        single.save(
             {"model": {"w": torch.full((64,), float(step))}, "step": step},
             directory,
             step=step,
@@ -208,7 +209,7 @@ def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damag
     }[damage]
     newest.write_bytes(damaged)
     if damage == "no_manifest":
-        storage.manifest_path(newest).unlink()
+        retention.manifest_path(newest).unlink()
     reason = {
         "truncate": "manifest says",
         "empty": "empty",
@@ -216,7 +217,7 @@ def test_unusable_checkpoint_is_named_and_auto_resume_falls_back(tmp_path, damag
         "bitflip": "fails its checksum",
         "no_manifest": "has no manifest",
     }[damage]
-    with pytest.raises(storage.CheckpointError, match=f"step_20.pt.*{reason}"):
+    with pytest.raises(CheckpointError, match=f"step_20.pt.*{reason}"):
         storage.load(newest, CPU)
     path, state = storage.load_for_resume("auto", tmp_path, CPU)
     assert path.name == "step_10.pt" and state["step"] == 10
@@ -226,26 +227,26 @@ def test_auto_resume_refuses_to_start_over_when_no_checkpoint_loads(tmp_path) ->
     directory = storage.checkpoint_dir(tmp_path)
     directory.mkdir(parents=True)
     (directory / "step_5.pt").write_bytes(b"")
-    with pytest.raises(storage.CheckpointError, match="no usable checkpoint.*step_5.pt"):
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*step_5.pt"):
         storage.load_for_resume("auto", tmp_path, CPU)
 
 
 def test_resume_never_and_empty_dir(tmp_path) -> None:
     assert storage.load_for_resume("never", tmp_path, CPU) is None
     assert storage.load_for_resume("auto", tmp_path, CPU) is None
-    with pytest.raises(storage.CheckpointError, match="missing.pt does not exist"):
+    with pytest.raises(CheckpointError, match="missing.pt does not exist"):
         storage.load_for_resume(str(tmp_path / "missing.pt"), tmp_path, CPU)
 
 
 def test_failed_write_leaves_previous_checkpoint_and_no_partial_file(tmp_path) -> None:
-    storage.save({"model": {}, "step": 1}, tmp_path, step=1, keep=1, accuracy=None)
+    single.save({"model": {}, "step": 1}, tmp_path, step=1, keep=1, accuracy=None)
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom during write")
 
     with pytest.raises(RuntimeError, match="boom"):
-        storage.save(
+        single.save(
             {"model": {}, "step": 2, "bad": Unpicklable()}, tmp_path, step=2, keep=1, accuracy=None
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.manifest.json", "step_1.pt"]
@@ -297,10 +298,10 @@ def _payload_checkpoint(tmp_path: Path, variant: str, marker: str) -> Path:
         directory.mkdir(parents=True)
         path.write_bytes(pickle.dumps({"model": {}, "step": 7, "x": Payload(marker)}))
     else:  # written by the pipeline's own save: the manifest vouches for these bytes
-        return storage.save(state, directory, step=7, keep=2, accuracy=None)
-    digest = storage.file_crc32(path)  # a valid manifest: only weights_only stands guard
+        return single.save(state, directory, step=7, keep=2, accuracy=None)
+    digest = atomic.file_crc32(path)  # a valid manifest: only weights_only stands guard
     size = path.stat().st_size
-    storage.manifest_path(path).write_text(
+    retention.manifest_path(path).write_text(
         json.dumps({"file": path.name, "bytes": size, "crc32": digest, "step": 7})
     )
     return path
@@ -314,9 +315,9 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path, variant) -> None:
     marker = str(tmp_path / "payload-ran")
     path = _payload_checkpoint(tmp_path, variant, marker)
     assert not os.path.exists(marker)  # saving did not run it either
-    with pytest.raises(storage.CheckpointError, match=r"step_7.pt is refused.*weights_only"):
+    with pytest.raises(CheckpointError, match=r"step_7.pt is refused.*weights_only"):
         storage.load(path, CPU)
-    with pytest.raises(storage.CheckpointError, match="no usable checkpoint"):
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
         storage.load_for_resume("auto", tmp_path, CPU)  # skipped, never loaded unsafely
     assert not os.path.exists(marker)
 
@@ -326,10 +327,10 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path, variant) -> None:
 
 _SAVE_AGAIN = """
 import sys, torch, faults
-from ckpt import storage, writer
+from ckpt import single, storage, writer
 faults.install_from_environment()
 state = {"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}
-storage.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
+single.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
 """
 
 
@@ -342,7 +343,7 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survi
     """A real SIGKILL at each stage of writing step 2 (keep=1: step 1 is due for deletion).
     Before the manifest exists step 1 must survive; after it, step 2 is complete."""
     directory = storage.checkpoint_dir(tmp_path)
-    storage.save({"model": {"w": torch.full((200_000,), 1.0)}, "step": 1}, directory, 1, 1, 0.9)
+    single.save({"model": {"w": torch.full((200_000,), 1.0)}, "step": 1}, directory, 1, 1, 0.9)
     env = {
         **os.environ,
         "TRAIN_FAULTS": f"sigkill@save={stage}",
@@ -359,16 +360,16 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path, stage, survi
     assert state["step"] == survivor and path.name == f"step_{survivor}.pt"
     assert torch.equal(state["model"]["w"], torch.full((200_000,), float(survivor)))
     # The next save cleans up what the killed one left behind.
-    storage.save({"model": {}, "step": 3}, directory, 3, 1, None)
+    single.save({"model": {}, "step": 3}, directory, 3, 1, None)
     assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
 
 
 _RESAVE = """
 import sys, torch, faults
-from ckpt import storage, writer
+from ckpt import single, storage, writer
 faults.install_from_environment()
 state = {"model": {"w": torch.full((200_000,), 3.0)}, "step": 2}
-storage.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
+single.save(state, storage.checkpoint_dir(sys.argv[1]), step=2, keep=1, accuracy=0.5)
 """
 
 
@@ -382,7 +383,7 @@ def test_sigkill_during_a_resave_of_the_same_step_keeps_it_loadable(tmp_path, st
     checkpoint is the only one: a kill at any stage of the re-save must leave it loadable, as
     the old bytes until the new ones are renamed into place, as the new ones after."""
     directory = storage.checkpoint_dir(tmp_path)
-    storage.save({"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}, directory, 2, 1, 0.4)
+    single.save({"model": {"w": torch.full((200_000,), 2.0)}, "step": 2}, directory, 2, 1, 0.4)
     env = {
         **os.environ,
         "TRAIN_FAULTS": f"sigkill@save={stage}",
@@ -395,7 +396,7 @@ def test_sigkill_during_a_resave_of_the_same_step_keeps_it_loadable(tmp_path, st
     path, state = storage.load_for_resume("auto", tmp_path, CPU)
     assert path.name == "step_2.pt"
     assert torch.equal(state["model"]["w"], torch.full((200_000,), value))
-    storage.save({"model": {}, "step": 3}, directory, 3, 1, None)  # cleans up what was left
+    single.save({"model": {}, "step": 3}, directory, 3, 1, None)  # cleans up what was left
     left = os.listdir(directory)
     assert not [name for name in left if name.endswith(".tmp") or ".next." in name], left
 
@@ -415,8 +416,8 @@ def saver():
 def loaded_equal(path: Path, reference: dict) -> None:
     """Every tensor of checkpoint `path` equals, with its strides, `reference`'s."""
     state = storage.load(path, CPU)
-    _, got = storage._flatten(state)
-    _, want = storage._flatten(reference)
+    _, got = sharded.flatten(state)
+    _, want = sharded.flatten(reference)
     assert [name for name, _ in got] == [name for name, _ in want]
     for (name, a), (_, b) in zip(got, want, strict=True):
         assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype, name
@@ -435,18 +436,18 @@ def test_async_save_writes_the_state_as_it_was_when_called(tmp_path, saver) -> N
     saver.save(state_of(objs, 4), tmp_path / "async", step=4, keep=3, accuracy=0.5)
     take_steps(objs, 1, seed=2)
     saver.wait()
-    storage.save(at_2, tmp_path / "sync", step=2, keep=3, accuracy=None)
+    single.save(at_2, tmp_path / "sync", step=2, keep=3, accuracy=None)
     for step, state in ((2, at_2), (4, at_4)):
         loaded_equal(tmp_path / "async" / f"step_{step}.pt", state)
         storage.verify(tmp_path / "async" / f"step_{step}.pt")  # its manifest vouches for it
     async_2 = storage.load(tmp_path / "async" / "step_2.pt", CPU)
     loaded_equal(tmp_path / "sync" / "step_2.pt", async_2)
-    assert storage.read_best(tmp_path / "async") == {"step": 4, "accuracy": 0.5}
+    assert retention.read_best(tmp_path / "async") == {"step": 4, "accuracy": 0.5}
 
 
 def to_clone(state: dict) -> dict:
-    skeleton, leaves = storage._flatten(state)
-    return storage._unflatten(skeleton, {i: t.clone() for i, (_, t) in enumerate(leaves)})
+    skeleton, leaves = sharded.flatten(state)
+    return sharded.unflatten(skeleton, {i: t.clone() for i, (_, t) in enumerate(leaves)})
 
 
 def test_async_save_keeps_channels_last_strides(tmp_path, saver) -> None:
@@ -516,13 +517,13 @@ def test_the_writer_finishes_a_write_through_the_signals_a_cluster_sends(tmp_pat
 
 def _slow_writes() -> None:
     """child_setup of the next test: every save in the writer takes 30 s longer."""
-    original = storage.save
+    original = single.save
 
     def slow(*args, **kwargs):
         time.sleep(30)
         return original(*args, **kwargs)
 
-    storage.save = slow
+    single.save = slow
 
 
 def test_a_writer_killed_mid_write_is_a_failed_save_naming_its_signal(
@@ -534,12 +535,12 @@ def test_a_writer_killed_mid_write_is_a_failed_save_naming_its_signal(
     process_saver = writer.ProcessSaver()
     try:
         state = {"model": {"w": torch.ones(3)}, "step": 1}
-        storage.save(state, tmp_path, step=1, keep=2, accuracy=None)
+        single.save(state, tmp_path, step=1, keep=2, accuracy=None)
         process_saver.save({**state, "step": 2}, tmp_path, step=2, keep=2, accuracy=None)
         os.kill(process_saver.pid, signal.SIGKILL)  # within its 30 s
         with pytest.raises(writer.WriterDied, match="killed by SIGKILL.*step 2"):
             process_saver.wait()
-        assert [p.name for _, p in storage.list_checkpoints(tmp_path)] == ["step_1.pt"]
+        assert [p.name for _, p in retention.list_checkpoints(tmp_path)] == ["step_1.pt"]
         storage.verify(tmp_path / "step_1.pt")
         monkeypatch.setattr(writer, "child_setup", None)
         process_saver.save({**state, "step": 3}, tmp_path, step=3, keep=2, accuracy=None)
@@ -630,14 +631,14 @@ def test_a_non_finite_model_is_never_checkpointed(tmp_path, bad, saver) -> None:
     state["model"]["head.bias"] = state["model"]["head.bias"].clone()
     state["model"]["head.bias"][3] = bad
     with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
-        storage.save(state, tmp_path, step=4, keep=2, accuracy=None)
+        single.save(state, tmp_path, step=4, keep=2, accuracy=None)
     saver.save(state, tmp_path, step=4, keep=2, accuracy=None)  # checked in the background
     with pytest.raises(FloatingPointError, match="step 4: head.bias holds NaN or Inf"):
         saver.wait()
     assert not list(tmp_path.iterdir())
     huge = state_of(objs, 5)
     huge["model"]["head.bias"] = torch.full((10,), 3e38)  # finite, but its norm overflows
-    storage.save(huge, tmp_path, step=5, keep=2, accuracy=None)
+    single.save(huge, tmp_path, step=5, keep=2, accuracy=None)
 
 
 @pytest.mark.parametrize("given", ["run_dir", "checkpoints_dir"])
@@ -646,7 +647,7 @@ def test_resume_from_a_directory_takes_its_newest_usable_checkpoint(tmp_path, gi
     directory = storage.checkpoint_dir(other)
     for step in (3, 6, 9):
         state = {"model": {"w": torch.full((4,), float(step))}, "step": step}
-        storage.save(state, directory, step=step, keep=5, accuracy=None)
+        single.save(state, directory, step=step, keep=5, accuracy=None)
     (directory / "step_9.pt").write_bytes(b"torn")  # the newest does not load: skipped
     resume = str(other if given == "run_dir" else directory)
     path, state = storage.load_for_resume(resume, tmp_path / "this_run", CPU)
@@ -655,12 +656,12 @@ def test_resume_from_a_directory_takes_its_newest_usable_checkpoint(tmp_path, gi
     # This run's own directory given explicitly: its later (unloadable) checkpoint is the one
     # that was skipped, as with auto, not another run's history.
     storage.refuse_later_checkpoints(other, 6, resume)
-    with pytest.raises(storage.CheckpointError, match=r"steps \[9\]"):
+    with pytest.raises(CheckpointError, match=r"steps \[9\]"):
         storage.refuse_later_checkpoints(other, 6, str(directory / "step_6.pt"))
 
 
 def test_resume_from_a_directory_without_checkpoints_says_so(tmp_path) -> None:
-    with pytest.raises(storage.CheckpointError, match=f"no checkpoint in {tmp_path}"):
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path}"):
         storage.load_for_resume(str(tmp_path), tmp_path / "run", CPU)
 
 
@@ -669,8 +670,8 @@ def test_a_checkpoint_whose_save_was_killed_does_not_count_among_the_kept(tmp_pa
     manifest, and a resume that never saves step 300 again (another world size). Saving 350
     keeps 200 and 350; the manifest-less 300 goes, instead of taking 200's place."""
     for step in (100, 200):
-        storage.save({"model": {"w": torch.ones(2)}, "step": step}, tmp_path, step, 2, None)
+        single.save({"model": {"w": torch.ones(2)}, "step": step}, tmp_path, step, 2, None)
     torch.save({"model": {}, "step": 300}, tmp_path / "step_300.pt")  # no manifest
-    storage.save({"model": {"w": torch.ones(2)}, "step": 350}, tmp_path, 350, 2, None)
-    assert [step for step, _ in storage.list_checkpoints(tmp_path)] == [200, 350]
+    single.save({"model": {"w": torch.ones(2)}, "step": 350}, tmp_path, 350, 2, None)
+    assert [step for step, _ in retention.list_checkpoints(tmp_path)] == [200, 350]
     storage.verify(tmp_path / "step_200.pt")

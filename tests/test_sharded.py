@@ -1,4 +1,4 @@
-"""Sharded checkpoints (ckpt/storage.py save_sharded / load_sharded): every rank writes its own
+"""Sharded checkpoints (ckpt/sharded.py save_sharded / load_sharded): every rank writes its own
 piece, the manifest lists every file's size and CRC-32, loading never unpickles anything but
 tensors and plain data, a bad shard is named and skipped, and a re-save never leaves a step
 without a complete checkpoint.
@@ -19,7 +19,8 @@ import pytest
 import torch
 from helpers import REPO, run_ranks
 
-from ckpt import storage, writer
+from ckpt import atomic, retention, sharded, storage, writer
+from ckpt.atomic import CheckpointError
 
 CPU = torch.device("cpu")
 
@@ -31,7 +32,7 @@ def alone(error: BaseException | None, what: str) -> None:
 
 
 def save_alone(state: dict, directory: Path, step: int, keep: int = 5) -> Path:
-    return storage.save_sharded(
+    return sharded.save_sharded(
         state, directory, step, keep, None, 0, gather=lambda obj: [obj], agree=alone
     )
 
@@ -52,7 +53,7 @@ def test_a_writer_process_writes_the_same_sharded_checkpoint(tmp_path) -> None:
     placeholders of its own: the writer's transport must not replace them)."""
     state = a_state(4, 2.5)
     expected = {key: value.clone() for key, value in state["model"].items()}
-    plan = storage.prepare_sharded(state, tmp_path / "async", 4, 0, lambda obj: [obj], alone)
+    plan = sharded.prepare_sharded(state, tmp_path / "async", 4, 0, lambda obj: [obj], alone)
     saver = writer.ProcessSaver()
     try:
         saver.write_sharded(plan)
@@ -60,7 +61,7 @@ def test_a_writer_process_writes_the_same_sharded_checkpoint(tmp_path) -> None:
         written = saver.wait()
     finally:
         saver.close()
-    storage.finish_sharded(plan, written, None, 5, None, 0, lambda obj: [obj], alone)
+    sharded.finish_sharded(plan, written, None, 5, None, 0, lambda obj: [obj], alone)
     got = storage.load(tmp_path / "async" / "step_4", CPU)
     for key, value in expected.items():
         assert torch.equal(got["model"][key], value), key
@@ -69,7 +70,7 @@ def test_a_writer_process_writes_the_same_sharded_checkpoint(tmp_path) -> None:
     sync = save_alone(state, tmp_path / "sync", 4)
 
     def meta(folder: Path) -> dict:
-        manifest = json.loads(storage.manifest_path(folder).read_text())
+        manifest = json.loads(retention.manifest_path(folder).read_text())
         return torch.load(folder / manifest["meta"], weights_only=True)
 
     # The same skeleton: placeholders, not tensors (the writer's transport replaced them)
@@ -78,7 +79,7 @@ def test_a_writer_process_writes_the_same_sharded_checkpoint(tmp_path) -> None:
 
 def test_a_sharded_checkpoint_round_trips_whole(tmp_path) -> None:
     folder = save_alone(a_state(2, 1.5), tmp_path, 2)
-    manifest = json.loads(storage.manifest_path(folder).read_text())
+    manifest = json.loads(retention.manifest_path(folder).read_text())
     assert manifest["format"] == "sharded" and manifest["step"] == 2
     assert set(manifest["files"]) == {p.name for p in folder.iterdir()}
     for name, entry in manifest["files"].items():
@@ -88,7 +89,7 @@ def test_a_sharded_checkpoint_round_trips_whole(tmp_path) -> None:
     assert torch.equal(state["model"]["b"], torch.arange(4.0))
     assert state["optimizer"]["param_groups"] == [{"lr": 0.1}]
     assert state["optimizer"]["state"][0]["step"].item() == 3.0
-    assert [step for step, _ in storage.list_checkpoints(tmp_path)] == [2]
+    assert [step for step, _ in retention.list_checkpoints(tmp_path)] == [2]
 
 
 class Payload:
@@ -106,17 +107,17 @@ def test_a_pickle_payload_in_any_file_of_a_sharded_checkpoint_never_runs(tmp_pat
     """The payload replaces a file and the manifest is rewritten to vouch for it (as an
     attacker with write access would): loading refuses it by name, and nothing runs."""
     folder = save_alone(a_state(2, 1.0), tmp_path, 2)
-    manifest_file = storage.manifest_path(folder)
+    manifest_file = retention.manifest_path(folder)
     manifest = json.loads(manifest_file.read_text())
     victim = next(name for name in manifest["files"] if name.startswith(which))
     marker = tmp_path / "pwned"
     torch.save({"tensors": Payload(marker)}, folder / victim)  # torch's own zip format
     manifest["files"][victim] = {
         "bytes": (folder / victim).stat().st_size,
-        "crc32": storage.file_crc32(folder / victim),
+        "crc32": atomic.file_crc32(folder / victim),
     }
     manifest_file.write_text(json.dumps(manifest))
-    with pytest.raises(storage.CheckpointError, match=f"{victim}.*refused"):
+    with pytest.raises(CheckpointError, match=f"{victim}.*refused"):
         storage.load(folder, CPU)
     assert not marker.exists()
 
@@ -138,7 +139,7 @@ def test_a_missing_shard_is_named(tmp_path) -> None:
     folder = save_alone(a_state(1, 1.0), tmp_path, 1)
     shard = next(folder.glob("rank_0.*.pt"))
     shard.unlink()
-    with pytest.raises(storage.CheckpointError, match=f"lacks its file {shard.name}"):
+    with pytest.raises(CheckpointError, match=f"lacks its file {shard.name}"):
         storage.load(folder, CPU)
 
 
@@ -148,21 +149,21 @@ def test_a_resave_of_a_step_that_dies_before_its_manifest_leaves_the_old_one_who
     """A resumed run preempted at the step it started from saves that step again: until the
     new manifest replaces the old one, the old files stay and load."""
     folder = save_alone(a_state(2, 1.0), tmp_path, 2)
-    real = storage.atomic_write_bytes
+    real = atomic.write_bytes
 
     def dies_at_the_manifest(path, *args, **kwargs):
         if path.name.endswith(".manifest.json"):
             raise OSError(5, "killed before the manifest")
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(storage, "atomic_write_bytes", dies_at_the_manifest)
+    monkeypatch.setattr(atomic, "write_bytes", dies_at_the_manifest)
     with pytest.raises(OSError):
         save_alone(a_state(2, 9.0), tmp_path, 2)
     monkeypatch.undo()
     assert torch.equal(storage.load(folder, CPU)["model"]["w"], torch.full((5, 3), 1.0))
     save_alone(a_state(2, 9.0), tmp_path, 2)  # the re-save that finishes
     assert torch.equal(storage.load(folder, CPU)["model"]["w"], torch.full((5, 3), 9.0))
-    listed = json.loads(storage.manifest_path(folder).read_text())["files"]
+    listed = json.loads(retention.manifest_path(folder).read_text())["files"]
     assert {p.name for p in folder.iterdir()} == set(listed)  # the old files are gone
 
 
@@ -198,7 +199,7 @@ def _two_ranks(info, directory: str) -> dict:
         "extra": {"replicated": replicated, "mine": torch.full((2,), float(info.rank))},
         "step": 4,
     }
-    storage.save_sharded(
+    sharded.save_sharded(
         state,
         Path(directory),
         4,

@@ -23,7 +23,7 @@ from helpers import REPO, final_state, launch, rows, run_ranks
 from torch import nn
 
 import exitcodes
-from ckpt import storage
+from ckpt import sharded
 from cli import parse_args
 from config import ConfigError, DistConfig, OptimConfig
 
@@ -485,7 +485,7 @@ def test_async_sharded_checkpoints_survive_a_preemption_and_killed_writers(tmp_p
     assert "checkpoint written, exiting with code 75" in first.output, first.output[-3000:]
     assert "wrote the step 5 checkpoint's shards in the background" in first.output
     for step in (5, 8):
-        storage.verify_sharded(run_dir / "checkpoints" / f"step_{step}")
+        sharded.verify_sharded(run_dir / "checkpoints" / f"step_{step}")
     second = launch(2, *args, faults="sigkill@save=written")
     assert second.returncode != 0
     assert "checkpoint writer process (killed by SIGKILL)" in second.output

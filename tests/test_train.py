@@ -13,7 +13,8 @@ import torch
 import build
 import resilience
 import train
-from ckpt import parts, storage
+from ckpt import parts, retention, single, storage
+from ckpt.atomic import CheckpointError
 from ckpt.manager import FORMAT, CheckpointManager
 from cli import parse_args
 from config import Config, ConfigError
@@ -90,7 +91,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_where_it_stood() -> None:
 
 def test_a_checkpoint_of_a_newer_format_is_refused() -> None:
     cfg = Config()
-    with pytest.raises(storage.CheckpointError, match="c.pt has format 3, newer"):
+    with pytest.raises(CheckpointError, match="c.pt has format 3, newer"):
         resume(cfg, saved_state(cfg, format=3))
 
 
@@ -121,7 +122,7 @@ def test_checkpoint_from_elsewhere_is_named() -> None:
     cfg = Config()
     saved = saved_state(cfg)
     del saved["scaler"], saved["rng"], saved["world_size"]
-    with pytest.raises(storage.CheckpointError, match="x.pt lacks rng, scaler, world_size"):
+    with pytest.raises(CheckpointError, match="x.pt lacks rng, scaler, world_size"):
         resume(cfg, saved, name="x.pt")
 
 
@@ -139,7 +140,7 @@ def test_model_mismatch_names_the_checkpoint() -> None:
     model = build.build_model(cfg, splits, ONE)
     other = build.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
     manager, _ = manager_with(cfg, model=parts.ModelState(model))
-    with pytest.raises(storage.CheckpointError, match="old.pt does not fit this run's model"):
+    with pytest.raises(CheckpointError, match="old.pt does not fit this run's model"):
         manager.restore(Path("old.pt"), saved_state(cfg, model=other.state_dict()))
 
 
@@ -225,8 +226,8 @@ def test_syncbatch_on_cpu_ranks_is_refused_with_advice_the_model_takes() -> None
 
 
 def test_fresh_run_in_a_used_run_dir_is_refused(tmp_path) -> None:
-    storage.save({"model": {}, "step": 40}, storage.checkpoint_dir(tmp_path), 40, 2, None)
-    with pytest.raises(storage.CheckpointError, match=r"steps \[40\].*new --run.dir"):
+    single.save({"model": {}, "step": 40}, storage.checkpoint_dir(tmp_path), 40, 2, None)
+    with pytest.raises(CheckpointError, match=r"steps \[40\].*new --run.dir"):
         storage.refuse_later_checkpoints(tmp_path, 0, "never")
     storage.refuse_later_checkpoints(tmp_path, 40, "path/to/step_40.pt")  # nothing later
     storage.refuse_later_checkpoints(tmp_path, 10, "auto")  # later ones were unloadable
@@ -234,13 +235,13 @@ def test_fresh_run_in_a_used_run_dir_is_refused(tmp_path) -> None:
 
 def test_retention_never_deletes_the_checkpoint_just_written(tmp_path) -> None:
     for step in (10, 20):
-        storage.save({"model": {}, "step": step}, tmp_path, step, keep=1, accuracy=0.9)
+        single.save({"model": {}, "step": step}, tmp_path, step, keep=1, accuracy=0.9)
     # An unloadable later checkpoint that resume=auto skipped, and a stale best.json from it.
     (tmp_path / "step_30.pt").write_bytes(b"")
     (tmp_path / "best.json").write_text('{"step": 30, "accuracy": 0.99}')
-    storage.save({"model": {}, "step": 25}, tmp_path, 25, keep=1, accuracy=0.5)
-    assert [s for s, _ in storage.list_checkpoints(tmp_path)] == [25, 30]
-    assert storage.read_best(tmp_path) == {"step": 25, "accuracy": 0.5}
+    single.save({"model": {}, "step": 25}, tmp_path, 25, keep=1, accuracy=0.5)
+    assert [s for s, _ in retention.list_checkpoints(tmp_path)] == [25, 30]
+    assert retention.read_best(tmp_path) == {"step": 25, "accuracy": 0.5}
 
 
 def test_rng_states_round_trip_through_a_checkpoint(tmp_path) -> None:
@@ -366,7 +367,7 @@ def test_turning_the_weight_average_on_at_a_resume_starts_it_from_the_resumed_we
     assert average.updates == 0
     assert torch.equal(average.state_dict()["weights"]["weight"], torch.full((2, 2), 3.0))
     without_ledger = {key: value for key, value in saved.items() if key != "ledger"}
-    with pytest.raises(storage.CheckpointError, match="c.pt lacks ledger"):
+    with pytest.raises(CheckpointError, match="c.pt lacks ledger"):
         manager.restore(Path("c.pt"), without_ledger)
 
 
