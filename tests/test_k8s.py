@@ -829,7 +829,7 @@ def operator_restarts(restart_policy: str, code: int) -> bool:
 def test_the_pytorchjob_restart_policy_and_its_documented_limit() -> None:
     """No policy of the legacy operator stops on 2, 3 and 76 yet resumes after 75: ExitCode
     would make a preemption (75) and every crash (1) final. So the manifest keeps OnFailure,
-    and its header and README say that final exits are retried up to backoffLimit."""
+    and its header and docs/running.md say that final exits are retried up to backoffLimit."""
     assert operator_restarts("ExitCode", exitcodes.EXIT_PREEMPTED) is False
     assert operator_restarts("ExitCode", exitcodes.EXIT_FAILED) is False
     job = manifest("pytorchjob.yaml")["PyTorchJob"]
@@ -843,8 +843,8 @@ def test_the_pytorchjob_restart_policy_and_its_documented_limit() -> None:
     assert all(re.search(rf"\b{code} \(", text) for code in retried_finals), "each one named"
     assert "IsRetryableExitCode" in text and "backoffLimit" in text
     assert job["spec"]["runPolicy"]["backoffLimit"] >= 1
-    readme = " ".join((REPO / "README.md").read_text().split())
-    assert "legacy operator" in readme and "IsRetryableExitCode" in readme
+    running = " ".join((REPO / "docs" / "running.md").read_text().split())
+    assert "legacy operator" in running and "IsRetryableExitCode" in running
 
 
 def rdzv_conf(container: dict, job: dict | None = None) -> dict[str, str]:
