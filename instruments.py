@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from metrics import (
     flops_per_sample,
     peak_flops,
 )
+from runpaths import RunPaths
 
 log = logging.getLogger("train")
 
@@ -328,7 +328,7 @@ def _profiler(cfg: Config, info: DistInfo, first_step: int) -> Any:
     activities = [ProfilerActivity.CPU]
     if info.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    trace_dir = Path(cfg.run.dir) / "tensorboard" / "profile"
+    trace_dir = RunPaths(cfg.run.dir).profile
 
     def on_trace_ready(prof: Any) -> None:
         tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{info.rank}")(prof)

@@ -57,6 +57,7 @@ from config import (
 from distributed import DistInfo
 from instruments import Instruments
 from metrics import MetricsWriter
+from runpaths import RunPaths
 
 log = logging.getLogger("train")
 
@@ -340,7 +341,7 @@ class Trainer:
         launch.check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
         distributed.run_on_main(
             self.info,
-            f"writing {self.run_dir / 'config.json'}",
+            f"writing {RunPaths(self.run_dir).config}",
             lambda: launch.write_settled(
                 self.cfg, self.run_dir, self.position.step, self.checkpoints.lease
             ),
