@@ -23,7 +23,7 @@ import distributed
 import resilience
 import saturation
 from ckpt import parts
-from config import SHARDED_STRATEGIES, Config
+from config import Config
 from distributed import AllReduceTimer, DistInfo
 from engine import EvalResult, StepStats
 from metrics import (
@@ -34,6 +34,7 @@ from metrics import (
     flops_per_sample,
     peak_flops,
 )
+from parallel import Layout
 from runpaths import RunPaths
 
 log = logging.getLogger("train")
@@ -95,6 +96,7 @@ class Instruments:
         cfg: Config,
         info: DistInfo,
         comm_timer: AllReduceTimer | None,
+        layout: Layout,
         writer: MetricsWriter,
         position: Any,  # parts.Position: its step and epoch label every row
         lr: Callable[[], float],
@@ -111,6 +113,7 @@ class Instruments:
         self.stragglers = StragglerReport(info, every)
         self.watchdog = resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s)
         self.allreduce_timer = comm_timer  # the strategy's (parallel.Parallel.comm_timer)
+        self.layout = layout
         self.started = time.perf_counter()  # for time_s; `open` moves it back after a resume
         self.total_steps = 0
         self.skipped_total = 0
@@ -222,7 +225,7 @@ class Instruments:
                 figures["mfu"] = per_rank / self.peak_flops
         pos, lr = self.position, self.lr()
         comm = f"all-reduce {figures['allreduce_ms']:.1f}"
-        if self.cfg.dist.strategy in SHARDED_STRATEGIES and self.info.world_size > 1:
+        if self.layout.collectives_inside_step:
             # all-gathers and reduce-scatters run inside forward and backward, not timed apart
             figures["allreduce_ms"] = None
             comm = "collectives inside fwd+bwd"

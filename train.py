@@ -90,20 +90,15 @@ class Trainer:
         self.build_schedule()
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
+        self.layout = parallel.Layout.of(cfg.dist, info)  # whether it shards, asked below
+        model = build.build_model(cfg, splits, info, self.auto.channels_last, self.layout)
         self.parallel = parallel.parallelize(
-            build.build_model(cfg, splits, info, self.auto.channels_last),
-            info,
-            cfg.dist,
-            compile=self.auto.compile,
-            nvtx=cfg.log.nvtx,
+            model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
         )
         self.model = self.parallel.model
         self.build_optimization()
-        self.ema = (
-            engine.WeightAverage(self.parallel.bare, cfg.train.ema_decay)
-            if cfg.train.ema_decay
-            else None
-        )
+        decay = cfg.train.ema_decay
+        self.ema = engine.WeightAverage(self.parallel.bare, decay) if decay else None
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
         self.buffers = engine.BufferSnapshot(self.model)
         self.guard = resilience.StepGuard(
@@ -168,7 +163,9 @@ class Trainer:
         """The sample ledger, and the manager with every part of the run registered."""
         cfg, info = self.cfg, self.info
         self.ledger = parts.SampleLedger()
-        manager = CheckpointManager(cfg, info, self.num_train, data_fingerprint, lease, classes)
+        manager = CheckpointManager(
+            cfg, info, self.num_train, data_fingerprint, self.layout, lease, classes
+        )
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
             ("rng", parts.RngState(info, cfg.train.seed, self.position)),
@@ -197,6 +194,7 @@ class Trainer:
             self.cfg,
             self.info,
             self.parallel.comm_timer,
+            self.layout,
             writer,
             self.position,
             self.current_lr,

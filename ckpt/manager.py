@@ -80,6 +80,7 @@ class CheckpointManager:
         info: DistInfo,
         num_train: int,
         data_fingerprint: str,
+        layout: parallel.Layout,
         lease: rundir.Lease | None = None,
         classes: tuple[str, ...] | None = None,
     ) -> None:
@@ -89,9 +90,7 @@ class CheckpointManager:
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
         self.directory = storage.checkpoint_dir(cfg.run.dir)
         # Sharded: every rank writes its own piece of each tensor (sharded.save_sharded).
-        self.sharded = cfg.ckpt.format == "sharded" or (
-            cfg.ckpt.format == "auto" and parallel.shards(cfg.dist.strategy)
-        )
+        self.sharded = cfg.ckpt.format == "sharded" or (cfg.ckpt.format == "auto" and layout.shards)
         # ckpt.async_save: the writer process of each rank that writes (rank 0; every rank
         # for sharded checkpoints), started now to be ready for the first save.
         writes = info.is_main or self.sharded
