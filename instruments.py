@@ -97,6 +97,7 @@ class Instruments:
         info: DistInfo,
         comm_timer: AllReduceTimer | None,
         layout: Layout,
+        settings: auto.Auto,
         writer: MetricsWriter,
         position: Any,  # parts.Position: its step and epoch label every row
         lr: Callable[[], float],
@@ -113,7 +114,7 @@ class Instruments:
         self.stragglers = StragglerReport(info, every)
         self.watchdog = resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s)
         self.allreduce_timer = comm_timer  # the strategy's (parallel.Parallel.comm_timer)
-        self.layout = layout
+        self.layout, self.settings = layout, settings  # the resolved autos: compile, progress
         self.started = time.perf_counter()  # for time_s; `open` moves it back after a resume
         self.total_steps = 0
         self.skipped_total = 0
@@ -145,7 +146,8 @@ class Instruments:
         self.watchdog.start()
         self.profiler = _profiler(self.cfg, self.info, self.position.step)
         try:
-            with _progress_bar(self.cfg, self.info, total_steps, self.position.step) as self.bar:
+            bar = _progress_bar(self.settings.progress, self.info, total_steps, self.position.step)
+            with bar as self.bar:
                 yield
         except RuntimeError as err:
             peers = self.watchdog.describe_peers()
@@ -215,9 +217,9 @@ class Instruments:
             figures |= saturation.reduce(samples)
             if self.info.is_main:
                 on_gpu = self.info.device.type == "cuda"
-                compiled = auto.compile_model(self.cfg.train.compile, self.info.device)
                 workers = self.cfg.data.num_workers
-                self.advisor.consider(saturation.advice(figures, workers, on_gpu, compiled))
+                advice = saturation.advice(figures, workers, on_gpu, self.settings.compile)
+                self.advisor.consider(advice)
         if self.flops_per_sample:
             per_rank = self.flops_per_sample * figures["samples_per_s"] / self.info.world_size
             figures["tflops_per_rank"] = per_rank / 1e12
@@ -349,8 +351,8 @@ def _profiler(cfg: Config, info: DistInfo, first_step: int) -> Any:
     return prof
 
 
-def _progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
-    if not (info.is_main and auto.progress(cfg.log.progress)):
+def _progress_bar(progress: bool, info: DistInfo, total: int, initial: int) -> Any:
+    if not (info.is_main and progress):
         return contextlib.nullcontext()
     from tqdm import tqdm
 

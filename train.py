@@ -82,15 +82,14 @@ class Trainer:
         splits = data.build_datasets(cfg.data, cfg.train.seed, info)
         data_fingerprint = data.fingerprint(splits)
         launch.check_job(cfg, info, data_fingerprint, self.run_dir)
-        self.auto = auto.resolve(
-            cfg, info, data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
-        )
+        self.layout = parallel.Layout.of(cfg.dist, info)  # whether it shards, asked below
+        numel, jpeg_share = data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
+        self.auto = auto.resolve(cfg, info, numel, jpeg_share, self.layout)
         log.info("settings: %s", self.auto.describe(cfg))
         self.build_data(splits)
         self.build_schedule()
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
-        self.layout = parallel.Layout.of(cfg.dist, info)  # whether it shards, asked below
         model = build.build_model(cfg, splits, info, self.auto.channels_last, self.layout)
         self.parallel = parallel.parallelize(
             model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
@@ -164,7 +163,7 @@ class Trainer:
         cfg, info = self.cfg, self.info
         self.ledger = parts.SampleLedger()
         manager = CheckpointManager(
-            cfg, info, self.num_train, data_fingerprint, self.layout, lease, classes
+            cfg, info, self.num_train, data_fingerprint, self.auto.ckpt_format, lease, classes
         )
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
@@ -195,6 +194,7 @@ class Trainer:
             self.info,
             self.parallel.comm_timer,
             self.layout,
+            self.auto,
             writer,
             self.position,
             self.current_lr,
