@@ -19,6 +19,7 @@ import torch
 from config import Config, ConfigError
 from distributed import DistInfo
 from inputs import imagefolder
+from parallel import Layout
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,14 @@ def progress(setting: str) -> bool:
     return setting == "on" or (setting == "auto" and sys.stderr.isatty())
 
 
+def ckpt_format(setting: str, layout: Layout) -> str:
+    """ckpt.format: auto = sharded when the run shards its parameters (every rank then writes
+    its own piece of each tensor: ckpt/sharded.py), one file written by rank 0 otherwise."""
+    if setting == "auto":
+        return "sharded" if layout.shards else "file"
+    return setting
+
+
 def _key(name: str) -> Any:
     return field(metadata={"key": name})
 
@@ -139,6 +148,7 @@ class Auto:
     loader: str = _key("data.loader")
     decode: str = _key("data.decode")
     progress: bool = _key("log.progress")
+    ckpt_format: str = _key("ckpt.format")  # "file" or "sharded"
 
     def describe(self, cfg: Config) -> str:
         """`key=value` for every setting; `key=auto->value` where "auto" was resolved."""
@@ -162,12 +172,18 @@ def _spelled(value: Any) -> str:
 
 
 def resolve(
-    cfg: Config, info: DistInfo, in_memory_numel: int | None, jpeg_share: float = 1.0
+    cfg: Config,
+    info: DistInfo,
+    in_memory_numel: int | None,
+    jpeg_share: float = 1.0,
+    layout: Layout | None = None,
 ) -> Auto:
     """Every setting for this rank's device; `in_memory_numel` is the training set's element
     count when it is held in memory as one tensor (data.in_memory_numel), else None. The
-    backend is the one `distributed.setup` chose with `backend` above."""
+    backend is the one `distributed.setup` chose with `backend` above; `layout` the run's
+    (parallel.Layout.of when not given)."""
     device = info.device
+    layout = layout if layout is not None else Layout.of(cfg.dist, info)
     return Auto(
         backend=info.backend or "none",
         amp=amp(cfg.train.amp, device),
@@ -179,4 +195,5 @@ def resolve(
             cfg.data.decode, cfg.data.source == "data.dataset=imagefolder", device, jpeg_share
         ),
         progress=progress(cfg.log.progress),
+        ckpt_format=ckpt_format(cfg.ckpt.format, layout),
     )

@@ -49,18 +49,24 @@ def configure_cuda(cfg: Config, info: DistInfo) -> None:
 
 
 def build_model(
-    cfg: Config, splits: data.DataSplits, info: DistInfo, channels_last: bool | None = None
+    cfg: Config,
+    splits: data.DataSplits,
+    info: DistInfo,
+    channels_last: bool | None = None,
+    layout: parallel.Layout | None = None,
 ) -> nn.Module:
     """The model (model.name or model.factory) on this rank's device (under fsdp and hybrid:
     in host memory, for parallelize to shard onto the device), the same initial
     weights on every rank; in channels_last memory format as model.channels_last resolves
-    (auto.channels_last)."""
+    (auto.channels_last). `layout`: the run's (parallel.Layout.of when not given)."""
     if channels_last is None:
         channels_last = auto.channels_last(cfg.model.channels_last, info.device)
+    if layout is None:
+        layout = parallel.Layout.of(cfg.dist, info)
     # Under fsdp and hybrid the ranks but rank 0 build on the meta device (shapes, no memory,
     # no initialisation): parallelize gives them their shards of rank 0's weights, so only
     # rank 0 ever holds the whole model.
-    meta = parallel.shards(cfg.dist.strategy) and not info.is_main
+    meta = layout.builds_on_meta(info.is_main)
     # The initial weights depend on train.seed alone; the build draws nothing from the ranks'
     # own random streams (seed + rank), whatever the model's size or device.
     devices = [info.device] if info.device.type == "cuda" else []
@@ -78,7 +84,7 @@ def build_model(
                 f"use model.norm={other} on CPU"
             )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if parallel.shards(cfg.dist.strategy):
+    if layout.shards:
         # Left in host memory: fully_shard moves each unit to the device as it shards it, so
         # the device holds one unit whole at a time, never the whole model. FSDP2 refuses
         # channels_last parameters (the inputs may still be channels_last, and convolutions

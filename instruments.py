@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import distributed
 import resilience
 import saturation
 from ckpt import parts
-from config import SHARDED_STRATEGIES, Config
+from config import Config
 from distributed import AllReduceTimer, DistInfo
 from engine import EvalResult, StepStats
 from metrics import (
@@ -35,6 +34,8 @@ from metrics import (
     flops_per_sample,
     peak_flops,
 )
+from parallel import Layout
+from runpaths import RunPaths
 
 log = logging.getLogger("train")
 
@@ -95,6 +96,8 @@ class Instruments:
         cfg: Config,
         info: DistInfo,
         comm_timer: AllReduceTimer | None,
+        layout: Layout,
+        settings: auto.Auto,
         writer: MetricsWriter,
         position: Any,  # parts.Position: its step and epoch label every row
         lr: Callable[[], float],
@@ -111,6 +114,7 @@ class Instruments:
         self.stragglers = StragglerReport(info, every)
         self.watchdog = resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s)
         self.allreduce_timer = comm_timer  # the strategy's (parallel.Parallel.comm_timer)
+        self.layout, self.settings = layout, settings  # the resolved autos: compile, progress
         self.started = time.perf_counter()  # for time_s; `open` moves it back after a resume
         self.total_steps = 0
         self.skipped_total = 0
@@ -142,7 +146,8 @@ class Instruments:
         self.watchdog.start()
         self.profiler = _profiler(self.cfg, self.info, self.position.step)
         try:
-            with _progress_bar(self.cfg, self.info, total_steps, self.position.step) as self.bar:
+            bar = _progress_bar(self.settings.progress, self.info, total_steps, self.position.step)
+            with bar as self.bar:
                 yield
         except RuntimeError as err:
             peers = self.watchdog.describe_peers()
@@ -212,9 +217,9 @@ class Instruments:
             figures |= saturation.reduce(samples)
             if self.info.is_main:
                 on_gpu = self.info.device.type == "cuda"
-                compiled = auto.compile_model(self.cfg.train.compile, self.info.device)
                 workers = self.cfg.data.num_workers
-                self.advisor.consider(saturation.advice(figures, workers, on_gpu, compiled))
+                advice = saturation.advice(figures, workers, on_gpu, self.settings.compile)
+                self.advisor.consider(advice)
         if self.flops_per_sample:
             per_rank = self.flops_per_sample * figures["samples_per_s"] / self.info.world_size
             figures["tflops_per_rank"] = per_rank / 1e12
@@ -222,7 +227,7 @@ class Instruments:
                 figures["mfu"] = per_rank / self.peak_flops
         pos, lr = self.position, self.lr()
         comm = f"all-reduce {figures['allreduce_ms']:.1f}"
-        if self.cfg.dist.strategy in SHARDED_STRATEGIES and self.info.world_size > 1:
+        if self.layout.collectives_inside_step:
             # all-gathers and reduce-scatters run inside forward and backward, not timed apart
             figures["allreduce_ms"] = None
             comm = "collectives inside fwd+bwd"
@@ -328,7 +333,7 @@ def _profiler(cfg: Config, info: DistInfo, first_step: int) -> Any:
     activities = [ProfilerActivity.CPU]
     if info.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    trace_dir = Path(cfg.run.dir) / "tensorboard" / "profile"
+    trace_dir = RunPaths(cfg.run.dir).profile
 
     def on_trace_ready(prof: Any) -> None:
         tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{info.rank}")(prof)
@@ -346,8 +351,8 @@ def _profiler(cfg: Config, info: DistInfo, first_step: int) -> Any:
     return prof
 
 
-def _progress_bar(cfg: Config, info: DistInfo, total: int, initial: int) -> Any:
-    if not (info.is_main and auto.progress(cfg.log.progress)):
+def _progress_bar(progress: bool, info: DistInfo, total: int, initial: int) -> Any:
+    if not (info.is_main and progress):
         return contextlib.nullcontext()
     from tqdm import tqdm
 

@@ -32,6 +32,7 @@ from ckpt import atomic, rundir
 from ckpt.atomic import CheckpointError
 from config import Config, ConfigError
 from distributed import DistInfo
+from runpaths import RunPaths
 
 log = logging.getLogger("train")  # its lines read as the run's, as they did from train.py
 
@@ -72,7 +73,7 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
     if info.world_size == 1:
         return
     token = distributed.broadcast_object(uuid.uuid4().hex if info.is_main else None)
-    marker = run_dir / f".shared-check-{token}"
+    marker = RunPaths(run_dir).shared_check(token)
     distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
 
     def visible() -> bool:
@@ -154,7 +155,7 @@ def write_settled(cfg: Config, run_dir: Path, step: int, lease: rundir.Lease | N
     if lease is not None:
         lease.check()  # another job took the run dir over: write nothing
     payload = (cfg.to_json() + "\n").encode()
-    atomic.write_bytes(run_dir / "config.json", lambda f: f.write(payload))
+    atomic.write_bytes(RunPaths(run_dir).config, lambda f: f.write(payload))
     resume = cfg.ckpt.resume
     if resume not in ("auto", "never") and not rundir.continues_from_own_checkpoints(
         run_dir, resume

@@ -18,6 +18,7 @@ import distributed
 from ckpt import atomic
 from distributed import DistInfo
 from engine import StepStats
+from runpaths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -295,14 +296,14 @@ class MetricsWriter:
         """
         if not self.enabled or not self._may_write():
             return
-        path = self.run_dir / "metrics.jsonl"
+        path = RunPaths(self.run_dir).metrics
         self._truncate(path, resume_step, pending_eval)
         self._file = path.open("a", encoding="utf-8")
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # slow import: only on rank 0
 
             self._tb = SummaryWriter(
-                log_dir=str(self.run_dir / "tensorboard"), purge_step=resume_step + 1
+                log_dir=str(RunPaths(self.run_dir).tensorboard), purge_step=resume_step + 1
             )
 
     def _truncate(self, path: Path, resume_step: int, pending_eval: bool) -> None:

@@ -95,7 +95,33 @@ def sync_buffers(model: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The strategy object
+# The strategy's answers, and the strategy object
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the rest of the run asks of dist.strategy before and after the model is wrapped:
+    whether this run shards the parameters, and so where its tensors live. Made once per run
+    by `Layout.of` (the only place that derives it) and passed to whoever asks."""
+
+    strategy: str
+    shards: bool  # see `shards`: fsdp and hybrid under a process group
+    world_size: int
+
+    @classmethod
+    def of(cls, cfg: DistConfig, info: DistInfo) -> Layout:
+        return cls(cfg.strategy, shards(cfg.strategy), info.world_size)
+
+    def builds_on_meta(self, is_main: bool) -> bool:
+        """Whether this rank builds the model on the meta device: when sharding, every rank
+        but rank 0 (parallelize gives them their shards of rank 0's weights)."""
+        return self.shards and not is_main
+
+    @property
+    def collectives_inside_step(self) -> bool:
+        """Sharded over several ranks: all-gathers and reduce-scatters run inside forward and
+        backward, with no gradient all-reduce of their own to time."""
+        return self.shards and self.world_size > 1
 
 
 @dataclass

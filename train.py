@@ -57,6 +57,7 @@ from config import (
 from distributed import DistInfo
 from instruments import Instruments
 from metrics import MetricsWriter
+from runpaths import RunPaths
 
 log = logging.getLogger("train")
 
@@ -81,28 +82,22 @@ class Trainer:
         splits = data.build_datasets(cfg.data, cfg.train.seed, info)
         data_fingerprint = data.fingerprint(splits)
         launch.check_job(cfg, info, data_fingerprint, self.run_dir)
-        self.auto = auto.resolve(
-            cfg, info, data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
-        )
+        self.layout = parallel.Layout.of(cfg.dist, info)  # whether it shards, asked below
+        numel, jpeg_share = data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
+        self.auto = auto.resolve(cfg, info, numel, jpeg_share, self.layout)
         log.info("settings: %s", self.auto.describe(cfg))
         self.build_data(splits)
         self.build_schedule()
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
+        model = build.build_model(cfg, splits, info, self.auto.channels_last, self.layout)
         self.parallel = parallel.parallelize(
-            build.build_model(cfg, splits, info, self.auto.channels_last),
-            info,
-            cfg.dist,
-            compile=self.auto.compile,
-            nvtx=cfg.log.nvtx,
+            model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
         )
         self.model = self.parallel.model
         self.build_optimization()
-        self.ema = (
-            engine.WeightAverage(self.parallel.bare, cfg.train.ema_decay)
-            if cfg.train.ema_decay
-            else None
-        )
+        decay = cfg.train.ema_decay
+        self.ema = engine.WeightAverage(self.parallel.bare, decay) if decay else None
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
         self.buffers = engine.BufferSnapshot(self.model)
         self.guard = resilience.StepGuard(
@@ -167,7 +162,9 @@ class Trainer:
         """The sample ledger, and the manager with every part of the run registered."""
         cfg, info = self.cfg, self.info
         self.ledger = parts.SampleLedger()
-        manager = CheckpointManager(cfg, info, self.num_train, data_fingerprint, lease, classes)
+        manager = CheckpointManager(
+            cfg, info, self.num_train, data_fingerprint, self.auto.ckpt_format, lease, classes
+        )
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
             ("rng", parts.RngState(info, cfg.train.seed, self.position)),
@@ -196,6 +193,8 @@ class Trainer:
             self.cfg,
             self.info,
             self.parallel.comm_timer,
+            self.layout,
+            self.auto,
             writer,
             self.position,
             self.current_lr,
@@ -340,7 +339,7 @@ class Trainer:
         launch.check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
         distributed.run_on_main(
             self.info,
-            f"writing {self.run_dir / 'config.json'}",
+            f"writing {RunPaths(self.run_dir).config}",
             lambda: launch.write_settled(
                 self.cfg, self.run_dir, self.position.step, self.checkpoints.lease
             ),

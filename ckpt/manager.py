@@ -28,7 +28,6 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkable Protocol
 
 import distributed
-import parallel
 from ckpt import rundir, sharded, single, storage, writer
 from ckpt.atomic import CheckpointError
 from config import Config, ConfigError, global_batch_size
@@ -80,6 +79,7 @@ class CheckpointManager:
         info: DistInfo,
         num_train: int,
         data_fingerprint: str,
+        ckpt_format: str,
         lease: rundir.Lease | None = None,
         classes: tuple[str, ...] | None = None,
     ) -> None:
@@ -89,9 +89,7 @@ class CheckpointManager:
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
         self.directory = storage.checkpoint_dir(cfg.run.dir)
         # Sharded: every rank writes its own piece of each tensor (sharded.save_sharded).
-        self.sharded = cfg.ckpt.format == "sharded" or (
-            cfg.ckpt.format == "auto" and parallel.shards(cfg.dist.strategy)
-        )
+        self.sharded = ckpt_format == "sharded"  # ckpt.format as auto.resolve resolved it
         # ckpt.async_save: the writer process of each rank that writes (rank 0; every rank
         # for sharded checkpoints), started now to be ready for the first save.
         writes = info.is_main or self.sharded

@@ -18,9 +18,9 @@ import torch
 
 from ckpt import atomic
 from ckpt.atomic import CheckpointError
+from runpaths import BEST_FILE
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
-BEST_FILE = "best.json"
 
 
 def manifest_path(path: Path) -> Path:

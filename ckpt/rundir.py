@@ -34,16 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import exitcodes
-from ckpt import atomic, retention, storage
+from ckpt import atomic, retention
 from config import ConfigError
+from runpaths import LEASE_GLOB, RunPaths
 
 log = logging.getLogger(__name__)
 
-LEASE_GLOB = "lease.*.json"  # lease.<generation>.json
-# The single lease file of earlier versions: a job of such a version may still run in the dir.
-LEGACY_LEASE_FILE = "lease.json"
-PROGRESS_FILE = "progress.json"
-ORIGIN_FILE = "origin.json"
 # torchrun's --rdzv-id when none is given, and launch_multinode.sh's old default: shared by
 # unrelated jobs, so they identify nothing.
 _ANONYMOUS_RUN_IDS = ("", "none", "ddp-job")
@@ -168,7 +164,7 @@ def _clock() -> float:
 
 
 def lease_path(run_dir: Path, generation: int) -> Path:
-    return run_dir / f"lease.{generation}.json"
+    return RunPaths(run_dir).lease(generation)
 
 
 def _generations(run_dir: Path) -> list[int]:
@@ -308,14 +304,15 @@ class Lease:
         """Refuse a run dir whose earlier-version lease.json has a fresh heartbeat from another
         job: that version knows nothing of generation files, so until its heartbeat is older
         than this run's lease timeout it is taken to be running."""
-        holder = _read_json(self.run_dir / LEGACY_LEASE_FILE)
+        legacy = RunPaths(self.run_dir).legacy_lease
+        holder = _read_json(legacy)
         if holder is None or holder.get("job") == self.job:
             return
         age = time.time() - float(holder.get("heartbeat", 0))
         if age <= self.timeout_s:
             raise RunDirBusy(
                 f"run.dir={self.run_dir} is in use by {_describe(holder)}, a job of an earlier "
-                f"version ({LEGACY_LEASE_FILE}): two jobs in one run dir would overwrite each "
+                f"version ({legacy.name}): two jobs in one run dir would overwrite each "
                 f"other's checkpoints and metrics. Use another --run.dir, or wait: its lease "
                 f"expires {max(0.0, self.timeout_s - age):.0f} s from now"
             )
@@ -455,7 +452,7 @@ def count_attempt(run_dir: Path, step: int, limit: int) -> int:
     """Record an attempt starting at checkpoint `step`; raise NoProgress past `limit`.
 
     Returns the number of attempts (this one included) that started at `step`."""
-    path = run_dir / PROGRESS_FILE
+    path = RunPaths(run_dir).progress
     record = _read_json(path) or {}
     attempts = int(record.get("attempts", 0)) + 1 if record.get("step") == step else 1
     if limit and attempts > limit:
@@ -474,7 +471,7 @@ def uncount_attempt(run_dir: Path) -> None:
     even if it dies before its checkpoint is written (torchrun's shutdown timeout, a
     scheduler's KillWait, a second node's failure). Call once, when the stop is agreed: the
     attempts that end otherwise (crashes, hangs) still count, so a crash loop still trips."""
-    path = run_dir / PROGRESS_FILE
+    path = RunPaths(run_dir).progress
     record = _read_json(path)
     if not record or int(record.get("attempts", 0)) < 1:
         return
@@ -487,7 +484,7 @@ def uncount_attempt(run_dir: Path) -> None:
 def reset_attempts(run_dir: Path, step: int) -> None:
     """The run made progress (a preemption checkpoint, the end): restarts start counting anew."""
     with contextlib.suppress(OSError):
-        _write_json(run_dir / PROGRESS_FILE, {"step": step, "attempts": 0, "job": job_id()})
+        _write_json(RunPaths(run_dir).progress, {"step": step, "attempts": 0, "job": job_id()})
 
 
 def origin_of(resume: str) -> str:
@@ -498,10 +495,10 @@ def continues_from_own_checkpoints(run_dir: Path, resume: str) -> bool:
     """Whether an explicit `--ckpt.resume=PATH` already initialised this run dir, which holds
     complete checkpoints since (a manifest, a step not before PATH's): a restart repeating the
     command then continues from those."""
-    record = _read_json(Path(run_dir) / ORIGIN_FILE)
+    record = _read_json(RunPaths(run_dir).origin)
     if not record or record.get("resume") != origin_of(resume):
         return False
-    directory = storage.checkpoint_dir(run_dir)
+    directory = RunPaths(run_dir).checkpoints
     return any(
         step >= int(record.get("step", 0)) and retention.manifest_path(path).is_file()
         for step, path in retention.list_checkpoints(directory)
@@ -509,4 +506,4 @@ def continues_from_own_checkpoints(run_dir: Path, resume: str) -> bool:
 
 
 def record_origin(run_dir: Path, resume: str, step: int) -> None:
-    _write_json(Path(run_dir) / ORIGIN_FILE, {"resume": origin_of(resume), "step": step})
+    _write_json(RunPaths(run_dir).origin, {"resume": origin_of(resume), "step": step})

@@ -29,12 +29,13 @@ import torch
 
 from ckpt import retention, sharded, single
 from ckpt.atomic import CheckpointError
+from runpaths import RunPaths
 
 log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunPaths(run_dir).checkpoints
 
 
 def refuse_later_checkpoints(run_dir: str | Path, start_step: int, resume: str) -> None:
@@ -98,7 +99,8 @@ def load_for_resume(
         given = Path(resume)
         if not given.is_dir():
             return given, load(resume, device)
-        directory = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+        inside = RunPaths(given).checkpoints
+        directory = inside if inside.is_dir() else given
         found = _newest_usable(directory, device)
         if found is None:
             raise CheckpointError(

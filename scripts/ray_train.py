@@ -44,6 +44,7 @@ from exitcodes import (  # noqa: E402
     LAUNCHER_STOP_SIGNALS,
     PREEMPT_MARKER,
 )
+from runpaths import LEASE_GLOB, RunPaths  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]  # train.py and the modules it imports
 RUN_ENV = "DDP_RAY_RUN"  # names this launch's processes (in their environment)
@@ -56,7 +57,6 @@ FOLLOW_EVERY_S = 1.0  # how often the workers look for new checkpoints and drain
 # and, with FailureConfig.controller_failure_limit at its default -1, tries again forever. An
 # autoscaler gets this many tries to deliver the nodes.
 START_ATTEMPTS = 5
-MARKERS = "ray/markers"  # in the run dir: what each node's local rank 0 reported, per attempt
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -300,7 +300,7 @@ def metrics_at(run_dir: Path, step: int) -> dict[str, Any]:
     """The newest metrics.jsonl row of each kind up to `step`, flattened ("eval/accuracy")."""
     newest: dict[str, dict[str, Any]] = {}
     with contextlib.suppress(OSError):
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        for line in RunPaths(run_dir).metrics.read_text().splitlines():
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 row = json.loads(line)
                 if row.get("step", step + 1) <= step:
@@ -362,7 +362,7 @@ def follow(child: subprocess.Popen, run_dir: Path, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    checkpoints = run_dir / "checkpoints"
+    checkpoints = RunPaths(run_dir).checkpoints
     reported = set(complete_checkpoints(checkpoints)) if rank == 0 else set()
     notice = None
 
@@ -414,7 +414,7 @@ def worker_loop(config: dict[str, Any]) -> int:
     address = [(ray.util.get_node_ip_address(), free_port()) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)
     master_addr, master_port = address[0]
-    marker = run_dir / MARKERS / f"{run_id}-{attempt[0]}-node{context.get_node_rank()}"
+    marker = RunPaths(run_dir).ray_markers / f"{run_id}-{attempt[0]}-node{context.get_node_rank()}"
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()  # empty: not preempted (yet); its time orders the attempts
     env = {
@@ -481,9 +481,8 @@ def describe(code: int) -> str:
 def checkpointed(run_dir: Path, run_id: str) -> bool:
     """Whether every node of this launch's newest attempt reported its preemption checkpoint
     (train.py's marker, written by local rank 0 after the checkpoint)."""
-    markers = sorted(
-        (run_dir / MARKERS).glob(f"{run_id}-*"), key=lambda p: p.stat().st_mtime, reverse=True
-    )
+    found = RunPaths(run_dir).ray_markers.glob(f"{run_id}-*")
+    markers = sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
     if not markers:
         return False
     newest = markers[0].name.rsplit("-node", 1)[0]
@@ -530,8 +529,7 @@ def wait_for_ranks(run_dir: Path, run_id: str, timeout_s: float, rank0_local: bo
     node that is gone has checkpointed or never will: its stale lease is not waited for."""
     deadline = time.monotonic() + timeout_s
     wait_for_exit(run_id, timeout_s)
-    # rundir.LEASE_GLOB (rundir imports torch; this driver does not): lease.<generation>.json
-    while not rank0_local and any(run_dir.glob("lease.*.json")) and time.monotonic() < deadline:
+    while not rank0_local and any(run_dir.glob(LEASE_GLOB)) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

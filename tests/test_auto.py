@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import auto
+import parallel
 from config import Config, ConfigError
 from distributed import DistInfo
 
@@ -32,6 +33,7 @@ def test_auto_on_cpu_is_the_documented_cpu_choice_for_each_setting() -> None:
         loader="device",  # in memory, and not a GPU whose free memory could be short
         decode="none",  # nothing to decode: Fashion-MNIST is held in memory
         progress=False,  # pytest's stderr is not a terminal
+        ckpt_format="file",  # no process group: nothing is sharded
     )
 
 
@@ -45,13 +47,28 @@ def test_explicit_settings_are_kept() -> None:
         data=dataclasses.replace(cfg.data, loader="dataloader", decode="workers"),
         log=dataclasses.replace(cfg.log, progress="on"),
         dist=dataclasses.replace(cfg.dist, backend="gloo"),
+        ckpt=dataclasses.replace(cfg.ckpt, format="sharded"),
     )
     resolved = auto.resolve(cfg, TWO, in_memory_numel=1000)
     assert resolved == auto.Auto(
-        "gloo", torch.bfloat16, True, False, "loop", "dataloader", "none", True
+        "gloo", torch.bfloat16, True, False, "loop", "dataloader", "none", True, "sharded"
     )
     # Nothing was "auto": the log line states values without arrows.
     assert "->" not in resolved.describe(cfg)
+
+
+def test_checkpoints_are_sharded_when_the_run_shards_and_one_file_otherwise() -> None:
+    fsdp, ddp = parallel.Layout("fsdp", True, 2), parallel.Layout("ddp", False, 2)
+    assert auto.ckpt_format("auto", fsdp) == "sharded"
+    assert auto.ckpt_format("auto", ddp) == "file"
+    assert auto.ckpt_format("file", fsdp) == "file"
+    assert auto.ckpt_format("sharded", ddp) == "sharded"
+    cfg = Config()
+    assert (
+        auto.resolve(cfg, TWO, 1000, layout=fsdp)
+        .describe(cfg)
+        .endswith("ckpt.format=auto->sharded")
+    )
 
 
 def test_a_dataset_read_from_files_gets_the_dataloader() -> None:
@@ -85,6 +102,7 @@ def test_describe_names_each_setting_and_what_auto_became() -> None:
         "data.loader=auto->dataloader",
         "data.decode=auto->none",
         "log.progress=auto->off",
+        "ckpt.format=auto->file",
     ]
 
 

@@ -364,7 +364,7 @@ def test_a_preemption_save_slower_than_torchruns_default_30_s_is_written(
     assert "forcefully exiting" not in output, output[-4000:]  # torchrun's SIGKILL
     [stopped] = checkpoints(run_dir)
     assert f"checkpoint of step {stopped}" in output
-    assert not list(run_dir.glob("lease.*.json"))  # rundir.LEASE_GLOB: released
+    assert not list(run_dir.glob("lease.*.json"))  # runpaths.LEASE_GLOB: released
     assert not job_tree(proc.pid)["all"][1:], "processes left behind"
 
 

@@ -61,7 +61,9 @@ def manager_with(
     cfg: Config, info: DistInfo = ONE, **given: Any
 ) -> tuple[CheckpointManager, parts.Position]:
     """A manager with the Trainer's parts: a real Position, Recorders for the rest."""
-    manager = CheckpointManager(cfg, info, num_train=60000, data_fingerprint="abc")
+    manager = CheckpointManager(
+        cfg, info, num_train=60000, data_fingerprint="abc", ckpt_format="file"
+    )
     position = parts.Position()
     for name in PARTS:
         manager.register(name, given.get(name, position if name == "position" else Recorder()))
@@ -270,7 +272,7 @@ def test_resuming_with_other_class_folders_is_refused_naming_them() -> None:
     the data, so the checkpoint's class list must match."""
     cfg = Config()
     classes = ("cat", "dog", "fox")
-    manager = CheckpointManager(cfg, ONE, 60000, "abc", classes=classes)
+    manager = CheckpointManager(cfg, ONE, 60000, "abc", "file", classes=classes)
     manager.register("position", parts.Position())
     assert manager._meta(3, None, False)["classes"] == list(classes)
     manager.restore(Path("same.pt"), saved_state(cfg, classes=["cat", "dog", "fox"]))
