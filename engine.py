@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 import auto
 import distributed
 import parallel
+import sharding
 from config import IGNORED, OptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -146,7 +147,7 @@ def forward_backward(
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     max_norm = grad_clip if grad_clip > 0 else math.inf
     # Under fsdp the norm is a DTensor: its whole value, the same on every rank.
-    grad_norm = distributed.full_tensor(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    grad_norm = sharding.full_tensor(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     num_samples = sum(len(labels) for _, labels in micro_batches)
     return StepStats(loss_sum, correct, num_samples, grad_norm, labelled)
 
@@ -201,7 +202,7 @@ class WeightAverage:
         self._names = [name for name, _ in named]
         self._like = [p for _, p in named]
         # This rank's values (under fsdp its shard of each parameter), and their averages.
-        self._params = [distributed.local_tensor(p.detach()) for p in self._like]
+        self._params = [sharding.local_tensor(p.detach()) for p in self._like]
         self._averages = [p.clone() for p in self._params]
 
     @torch.no_grad()
@@ -232,16 +233,16 @@ class WeightAverage:
     def state_dict(self) -> dict[str, Any]:
         """Whole tensors (a collective under fsdp): the averaged weights by parameter name,
         and the model's buffers beside them, a state_dict `--model.weights` can read."""
-        weights = distributed.full_state_dict(self.model)
+        weights = sharding.full_state_dict(self.model)
         for name, average, like in zip(self._names, self._averages, self._like, strict=True):
-            weights[name] = distributed.full_from_local(average, like)
+            weights[name] = sharding.full_from_local(average, like)
         return {"updates": self.updates, "weights": weights}
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """As `state_dict`, the averages of sharded parameters left as this rank's shards."""
         weights = distributed.unwrap_model(self.model).state_dict()
         for name, average, like in zip(self._names, self._averages, self._like, strict=True):
-            weights[name] = distributed.like_local(average, like)
+            weights[name] = sharding.like_local(average, like)
         return {"updates": self.updates, "weights": weights}
 
     @torch.no_grad()
@@ -252,7 +253,7 @@ class WeightAverage:
             raise KeyError(f"the weight average lacks {', '.join(missing[:8])}")
         self.updates = int(state["updates"])
         for name, average, like in zip(self._names, self._averages, self._like, strict=True):
-            average.copy_(distributed.local_tensor(distributed.shard_like(weights[name], like)))
+            average.copy_(sharding.local_tensor(sharding.shard_like(weights[name], like)))
 
 
 def train_step(

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-import distributed
+import sharding
 from config import MINI_RESNET, ConfigError, ModelConfig, load_factory
 
 log = logging.getLogger(__name__)
@@ -447,7 +447,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     for key in dropped:
         del kept[key]
     _raise_unless_fits(where, missing, unexpected, misshapen)
-    distributed.load_full_state_dict(model, kept, strict=False)  # each rank its fsdp shard
+    sharding.load_full_state_dict(model, kept, strict=False)  # each rank its fsdp shard
     _log_loaded(path, kept, replaced, dropped)
 
 

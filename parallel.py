@@ -38,6 +38,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import distributed
+import sharding
 from config import SHARDED_STRATEGIES, ConfigError, DistConfig
 from distributed import AllReduceTimer, DistInfo
 
@@ -253,16 +254,14 @@ def parallelize(
         # Rank 0's values, whole, from before sharding: the only copy of the whole model. The
         # other ranks' models may be on the meta device (build.build_model): shapes only.
         several = info.world_size > 1
-        values = distributed.module_tensors(model) if info.is_main and several else None
+        values = sharding.module_tensors(model) if info.is_main and several else None
         units = shard(model, mesh, cfg)
-        if any(t.is_meta for t in distributed.module_tensors(model).values()):
+        if any(t.is_meta for t in sharding.module_tensors(model).values()):
             model.to_empty(device=info.device)  # this rank's shards, uninitialised
         if several:
-            distributed.broadcast_module_from_main(model, values, info)
+            sharding.broadcast_module_from_main(model, values, info)
         del values
-        mine = sum(
-            distributed.local_tensor(p).numel() * p.element_size() for p in model.parameters()
-        )
+        mine = sum(sharding.local_tensor(p).numel() * p.element_size() for p in model.parameters())
         if info.is_main:
             # fully_shard subclassed them as FSDP<name>
             kinds = sorted({type(unit).__name__.removeprefix("FSDP") for unit in units})

@@ -43,6 +43,7 @@ import launch
 import model as models
 import parallel
 import resilience
+import sharding
 from ckpt import parts, rundir
 from ckpt.manager import CheckpointManager, Resumed
 from cli import parse_args
@@ -394,7 +395,7 @@ class Trainer:
         except ConfigError as err:
             error = err
         distributed.raise_if_any_failed(self.info, error, f"loading model.weights={path}")
-        distributed.check_same_weights(model, f"model.weights={path}")
+        sharding.check_same_weights(model, f"model.weights={path}")
         if self.ema is not None:  # it copied the initial weights: average the loaded ones
             self.ema.restart()
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import distributed
+import sharding
 from distributed import DistInfo
 
 log = logging.getLogger(__name__)
@@ -73,14 +74,14 @@ class ModelState:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return distributed.full_state_dict(distributed.unwrap_model(self.model))
+        return sharding.full_state_dict(distributed.unwrap_model(self.model))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """As `state_dict`, a sharded parameter left as this rank's DTensor shard."""
         return distributed.unwrap_model(self.model).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        distributed.load_full_state_dict(distributed.unwrap_model(self.model), state)
+        sharding.load_full_state_dict(distributed.unwrap_model(self.model), state)
 
 
 class OptimizerState:
@@ -103,7 +104,7 @@ class OptimizerState:
             return optimizer.state_dict() if distributed.rank() == 0 else {}
         state = optimizer.state_dict()
         state["state"] = {
-            index: {name: distributed.host_full_tensor(value) for name, value in entry.items()}
+            index: {name: sharding.host_full_tensor(value) for name, value in entry.items()}
             for index, entry in state["state"].items()
         }
         return state
@@ -119,7 +120,7 @@ class OptimizerState:
 
         def local(index: Any, name: str, value: Any) -> Any:
             sharded = isinstance(value, torch.Tensor) and value.ndim > 0 and name != "step"
-            return distributed.shard_like(value, params[int(index)]) if sharded else value
+            return sharding.shard_like(value, params[int(index)]) if sharded else value
 
         self.optimizer.load_state_dict(
             {

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-import distributed
+import sharding
 from ckpt import atomic, retention
 from ckpt.atomic import CheckpointError
 
@@ -76,8 +76,8 @@ _PLAIN_TYPES = frozenset((int, float, bool, str, type(None)))
 
 def _own_rows(value: Any) -> tuple[int, int, bool] | None:
     """(start, stop, writes) of this rank's rows of a DTensor sharded on dim 0
-    (distributed.dim0_rows); `writes`: this rank is in the first replica (hybrid)."""
-    rows = distributed.dim0_rows(value)
+    (sharding.dim0_rows); `writes`: this rank is in the first replica (hybrid)."""
+    rows = sharding.dim0_rows(value)
     if rows is None:
         return None
     mesh, placements = value.device_mesh, value.placements

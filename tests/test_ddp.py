@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import data
 import distributed
 import engine
+import sharding
 from config import DataConfig, DistConfig, OptimConfig
 from distributed import DistInfo
 from model import MiniResNet
@@ -246,7 +247,7 @@ def _load_node_weights(info: DistInfo, tmp_path, odd_one: int | None) -> str | N
     loaded = nn.Linear(3, 2)
     models.load_weights(loaded, str(path))
     try:
-        distributed.check_same_weights(loaded, "model.weights=w.pt")
+        sharding.check_same_weights(loaded, "model.weights=w.pt")
     except ConfigError as err:
         return str(err)
     return None

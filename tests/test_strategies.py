@@ -23,6 +23,7 @@ from helpers import REPO, final_state, launch, rows, run_ranks
 from torch import nn
 
 import exitcodes
+import sharding
 from ckpt import sharded
 from cli import parse_args
 from config import ConfigError, DistConfig, OptimConfig
@@ -277,7 +278,6 @@ def _build_sharded(info, factory: str, *extra: str) -> dict:
     from types import SimpleNamespace
 
     import build
-    import distributed
     import parallel
 
     cfg = parse_args(["--dist.strategy=fsdp", f"--model.factory={factory}", *extra])
@@ -288,12 +288,12 @@ def _build_sharded(info, factory: str, *extra: str) -> dict:
     stream = torch.get_rng_state()
     model = build.build_model(cfg, splits, info)  # type: ignore[arg-type]
     stream_kept = torch.equal(torch.get_rng_state(), stream)
-    built_on = {t.device.type for t in distributed.module_tensors(model).values()}
+    built_on = {t.device.type for t in sharding.module_tensors(model).values()}
     par = parallel.parallelize(model, info, cfg.dist)
     grown = _peak_rss() - peak
     whole = {
-        name: distributed.host_full_tensor(value.detach())
-        for name, value in distributed.module_tensors(par.bare).items()
+        name: sharding.host_full_tensor(value.detach())
+        for name, value in sharding.module_tensors(par.bare).items()
     }
     return {"built_on": built_on, "grown": grown, "whole": whole, "stream_kept": stream_kept}
 
@@ -306,7 +306,6 @@ def test_only_rank_0_builds_the_whole_model_under_fsdp(tmp_path) -> None:
     MB). Every parameter and
     buffer, a non-persistent one included, equals a model built here with the same seed,
     and the build leaves each rank's own random stream as it was."""
-    import parallel
 
     wide = run_ranks(_build_sharded, 2, tmp_path, "examples.custom_model:wide_mlp")
     model_bytes = 50_400_000 * 4
@@ -319,7 +318,7 @@ def test_only_rank_0_builds_the_whole_model_under_fsdp(tmp_path) -> None:
     assert wide[1]["grown"] < 0.75 * model_bytes
     ranks = run_ranks(_build_sharded, 2, tmp_path, "test_strategies:buffered_model")
     torch.manual_seed(0)  # train.seed's default
-    reference = parallel.distributed.module_tensors(buffered_model(in_channels=1, num_classes=10))
+    reference = sharding.module_tensors(buffered_model(in_channels=1, num_classes=10))
     assert ranks[0]["whole"].keys() == reference.keys()
     for rank in ranks:
         for name, value in reference.items():
