@@ -1,4 +1,5 @@
-"""Multi-process test harness: N spawned workers joined in a gloo group through a file store."""
+"""Test harness: ranks as spawned processes in a gloo group (through a file store) or as threads,
+the training entry points as subprocesses, and readers of what a run leaves in its run dir."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -70,6 +72,60 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     for rank in range(world_size):
         os.unlink(f"{out}.{rank}")
     return results
+
+
+class ThreadRanks:
+    """`world_size` ranks as threads of this process, joined by stand-ins for the two
+    collectives of `distributed` that the meters, ledgers and guards call: `all_reduce_sum` and
+    `all_gather_object`. For unit tests of what those classes compute from every rank's part
+    (no process group, no ports, no spawn): install them with monkeypatch, then `run`."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size, timeout=60)
+        self._given: list[Any] = [None] * world_size
+        self._local = threading.local()
+
+    def rank(self) -> int:
+        return self._local.rank
+
+    def _exchange(self, mine: Any) -> list[Any]:
+        self._given[self.rank()] = mine
+        self._barrier.wait()  # every rank's part is in
+        given = list(self._given)
+        self._barrier.wait()  # every rank has read them: the next call may overwrite them
+        return given
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        given = self._exchange(tensor.clone())
+        return tensor.copy_(torch.stack(given).sum(0))  # every rank adds in rank order
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self._exchange(obj)
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        """`fn(rank)` on every rank at once; the results in rank order, or the first error."""
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def entry(rank: int) -> None:
+            self._local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except BaseException as error:  # re-raised below, in the test's thread
+                errors.append(error)
+                self._barrier.abort()  # the other ranks stop waiting for this one
+
+        threads = [threading.Thread(target=entry, args=(r,)) for r in range(self.world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise next(
+                (e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]
+            )
+        return results
 
 
 def train_command(
