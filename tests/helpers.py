@@ -128,6 +128,45 @@ class ThreadRanks:
         return results
 
 
+# The tiny training job of the end-to-end tests: synthetic data, a small MiniResNet, batches
+# loaded in the training process, no TensorBoard. Each test states what it changes.
+TINY_JOB = {
+    "data.dataset": "synthetic",
+    "data.synthetic_train_size": "256",
+    "data.synthetic_eval_size": "64",
+    "data.batch_size": "16",
+    "model.widths": "4,8,8",
+    "data.num_workers": "0",
+    "log.tensorboard": "false",
+}
+
+
+def tiny_job_args(run_dir: Path | str | None = None, *flags: str, **settings: Any) -> list[str]:
+    """The tiny job's command-line arguments (TINY_JOB), `--run.dir` first when given.
+
+    `flags` ("--train.max_steps=6") and then `settings` change it: `train_max_steps=6` is
+    `--train.max_steps=6` (the section's dot is the first underscore). A key already in the job
+    takes the new value in its place, a new one comes after in the order given, and None leaves
+    the key out (the config's default). Booleans are written true/false, lists and tuples
+    comma-separated. Each key appears once, so that the command line says what the run uses.
+    """
+    job: dict[str, str | None] = dict(TINY_JOB)
+    for flag in flags:
+        key, equals, value = flag.removeprefix("--").partition("=")
+        if not flag.startswith("--") or not equals:
+            raise ValueError(f"{flag!r}: give flags as --section.key=value")
+        job[key] = value
+    for name, value in settings.items():
+        section, _, field = name.partition("_")
+        if isinstance(value, bool):
+            value = str(value).lower()
+        elif isinstance(value, list | tuple):
+            value = ",".join(map(str, value))
+        job[f"{section}.{field}"] = None if value is None else str(value)
+    args = [f"--{key}={value}" for key, value in job.items() if value is not None]
+    return args if run_dir is None else [f"--run.dir={run_dir}", *args]
+
+
 def train_command(
     nproc: int | None, *args: str, script: str = "train.py", restarts: int = 0
 ) -> list[str]:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, launch, rows, train_command, wait_for_train_rows
+from helpers import REPO, launch, rows, tiny_job_args, train_command, wait_for_train_rows
 
 from ckpt import rundir
 
@@ -401,22 +401,16 @@ def test_a_run_that_loses_its_lease_stops_at_the_next_step(tmp_path) -> None:
     stops at the step after that (the per-step vote), not at the epoch's checkpoint 625 steps
     later; nothing more is written to the run dir, and the message names the new holder."""
     run_dir = tmp_path / "run"
-    args = [
-        f"--run.dir={run_dir}",
-        "--data.dataset=synthetic",
-        "--data.synthetic_train_size=40000",  # 625 steps per epoch at 2 x 16 x 2
-        "--data.synthetic_eval_size=64",
-        "--data.batch_size=16",
-        "--train.grad_accum_steps=2",
-        "--train.epochs=1",
-        "--model.widths=4,8,8",
-        "--log.tensorboard=false",
-        "--data.num_workers=0",
-        "--log.every_steps=1",
-        "--dist.timeout_s=60",
-        "--dist.preflight=false",
-        "--run.lease_timeout_s=6",
-    ]
+    args = tiny_job_args(
+        run_dir,
+        data_synthetic_train_size=40000,  # 625 steps per epoch at 2 x 16 x 2
+        train_grad_accum_steps=2,
+        train_epochs=1,
+        log_every_steps=1,
+        dist_timeout_s=60,
+        dist_preflight=False,
+        run_lease_timeout_s=6,
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "77"}
     log_file = (tmp_path / "job.log").open("w+")
     job = subprocess.Popen(
@@ -457,19 +451,14 @@ def test_a_run_that_loses_its_lease_stops_at_the_next_step(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Whole jobs: refused naming the holder, restarts, stale holders (moved from test_faults.py)
 
-JOB = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=250",
-    "--data.synthetic_eval_size=64",
-    "--data.batch_size=16",
-    "--train.grad_accum_steps=2",
-    "--model.widths=4,8,8",
-    "--log.tensorboard=false",
-    "--data.num_workers=1",
-    "--log.every_steps=1",
-    "--dist.timeout_s=20",
-    "--dist.preflight=false",
-]
+JOB = tiny_job_args(
+    data_synthetic_train_size=250,
+    train_grad_accum_steps=2,
+    data_num_workers=1,
+    log_every_steps=1,
+    dist_timeout_s=20,
+    dist_preflight=False,
+)
 
 
 @pytest.mark.slow
