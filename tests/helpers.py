@@ -1,4 +1,5 @@
-"""Multi-process test harness: N spawned workers joined in a gloo group through a file store."""
+"""Test harness: ranks as spawned processes in a gloo group (through a file store) or as threads,
+the training entry points as subprocesses, and readers of what a run leaves in its run dir."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -70,6 +72,99 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     for rank in range(world_size):
         os.unlink(f"{out}.{rank}")
     return results
+
+
+class ThreadRanks:
+    """`world_size` ranks as threads of this process, joined by stand-ins for the two
+    collectives of `distributed` that the meters, ledgers and guards call: `all_reduce_sum` and
+    `all_gather_object`. For unit tests of what those classes compute from every rank's part
+    (no process group, no ports, no spawn): install them with monkeypatch, then `run`."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size, timeout=60)
+        self._given: list[Any] = [None] * world_size
+        self._local = threading.local()
+
+    def rank(self) -> int:
+        return self._local.rank
+
+    def _exchange(self, mine: Any) -> list[Any]:
+        self._given[self.rank()] = mine
+        self._barrier.wait()  # every rank's part is in
+        given = list(self._given)
+        self._barrier.wait()  # every rank has read them: the next call may overwrite them
+        return given
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        given = self._exchange(tensor.clone())
+        return tensor.copy_(torch.stack(given).sum(0))  # every rank adds in rank order
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self._exchange(obj)
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        """`fn(rank)` on every rank at once; the results in rank order, or the first error."""
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def entry(rank: int) -> None:
+            self._local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except BaseException as error:  # re-raised below, in the test's thread
+                errors.append(error)
+                self._barrier.abort()  # the other ranks stop waiting for this one
+
+        threads = [threading.Thread(target=entry, args=(r,)) for r in range(self.world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise next(
+                (e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]
+            )
+        return results
+
+
+# The tiny training job of the end-to-end tests: synthetic data, a small MiniResNet, batches
+# loaded in the training process, no TensorBoard. Each test states what it changes.
+TINY_JOB = {
+    "data.dataset": "synthetic",
+    "data.synthetic_train_size": "256",
+    "data.synthetic_eval_size": "64",
+    "data.batch_size": "16",
+    "model.widths": "4,8,8",
+    "data.num_workers": "0",
+    "log.tensorboard": "false",
+}
+
+
+def tiny_job_args(run_dir: Path | str | None = None, *flags: str, **settings: Any) -> list[str]:
+    """The tiny job's command-line arguments (TINY_JOB), `--run.dir` first when given.
+
+    `flags` ("--train.max_steps=6") and then `settings` change it: `train_max_steps=6` is
+    `--train.max_steps=6` (the section's dot is the first underscore). A key already in the job
+    takes the new value in its place, a new one comes after in the order given, and None leaves
+    the key out (the config's default). Booleans are written true/false, lists and tuples
+    comma-separated. Each key appears once, so that the command line says what the run uses.
+    """
+    job: dict[str, str | None] = dict(TINY_JOB)
+    for flag in flags:
+        key, equals, value = flag.removeprefix("--").partition("=")
+        if not flag.startswith("--") or not equals:
+            raise ValueError(f"{flag!r}: give flags as --section.key=value")
+        job[key] = value
+    for name, value in settings.items():
+        section, _, field = name.partition("_")
+        if isinstance(value, bool):
+            value = str(value).lower()
+        elif isinstance(value, list | tuple):
+            value = ",".join(map(str, value))
+        job[f"{section}.{field}"] = None if value is None else str(value)
+    args = [f"--{key}={value}" for key, value in job.items() if value is not None]
+    return args if run_dir is None else [f"--run.dir={run_dir}", *args]
 
 
 def train_command(

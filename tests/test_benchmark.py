@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 from conftest import needs_fashion_mnist
-from helpers import REPO
+from helpers import REPO, tiny_job_args
 
 import data
 import distributed
@@ -46,17 +46,17 @@ def test_bare_loop_ends_with_the_pipelines_parameters(tmp_path, accum: int) -> N
     elsewhere.
     """
     cfg = parse_args(
-        [
-            "--data.dataset=synthetic",
-            "--data.synthetic_train_size=512",
-            "--data.batch_size=32",
-            f"--train.grad_accum_steps={accum}",
-            "--model.widths=8,16",
-            "--optim.warmup_steps=3",
-            "--optim.grad_clip=0.05",  # small enough that it clips: clipping is compared too
-            "--log.every_steps=2",
-            "--log.tensorboard=false",
-        ]
+        tiny_job_args(
+            data_synthetic_train_size=512,
+            data_synthetic_eval_size=None,
+            data_batch_size=32,
+            data_num_workers=None,
+            train_grad_accum_steps=accum,
+            model_widths="8,16",
+            optim_warmup_steps=3,
+            optim_grad_clip=0.05,  # small enough that it clips: clipping is compared too
+            log_every_steps=2,
+        )
     )
     info = DistInfo(0, 0, 1, CPU)
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)

@@ -31,6 +31,7 @@ from helpers import (
     assert_same_training_state,
     final_state,
     free_port,
+    tiny_job_args,
     train_command,
     wait_for_train_rows,
 )
@@ -41,21 +42,17 @@ pytestmark = pytest.mark.e2e
 
 N_TRAIN, BATCH, ACCUM, SEED, EPOCHS = 250, 16, 2, 0, 2
 P = 2_147_483_647
-COMMON = [
-    "--data.dataset=synthetic",
-    f"--data.synthetic_train_size={N_TRAIN}",
-    "--data.synthetic_eval_size=64",
-    f"--data.batch_size={BATCH}",
-    f"--train.grad_accum_steps={ACCUM}",
-    f"--train.epochs={EPOCHS}",
-    "--model.widths=4,8,8",
-    "--log.tensorboard=false",
-    "--data.num_workers=1",
-    "--log.every_steps=1",
-    "--optim.warmup_steps=2",
-    "--dist.timeout_s=20",
-    "--dist.preflight=false",
-]
+COMMON = tiny_job_args(
+    data_synthetic_train_size=N_TRAIN,
+    data_batch_size=BATCH,
+    train_grad_accum_steps=ACCUM,
+    train_epochs=EPOCHS,
+    data_num_workers=1,
+    log_every_steps=1,
+    optim_warmup_steps=2,
+    dist_timeout_s=20,
+    dist_preflight=False,
+)
 
 
 def launch(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import final_state, launch, rows
+from helpers import final_state, launch, rows, tiny_job_args
 from test_strategies import (
     TOLERANCE,
     assert_same_model_and_optimizer,
@@ -134,28 +134,26 @@ def test_batched_gpu_decoding_matches_the_cpu_decoder(tmp_path) -> None:
 # dist.strategy on CUDA and NCCL (one GPU: world size 1 still runs fully_shard, the sharded
 # checkpoint, the writer process and the fused optimizers on the device)
 
-STRATEGY_ARGS = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=480",  # 10 steps of 48 an epoch
-    "--data.global_batch_size=48",
-    "--data.synthetic_eval_size=65",
-    "--data.eval_batch_size=16",
-    "--data.num_workers=0",
-    "--data.augment=false",
-    "--train.grad_accum_steps=2",
-    "--train.epochs=2",
-    "--train.ema_decay=0.9",
-    "--train.compile=off",
-    "--model.widths=8,16,16",
-    "--optim.name=adamw",
-    "--optim.lr=0.003",
-    "--optim.warmup_steps=2",
-    "--log.tensorboard=false",
-    "--log.every_steps=4",
-    "--dist.timeout_s=120",
-    "--ckpt.keep=20",
-    "--train.deterministic=true",
-]
+STRATEGY_ARGS = tiny_job_args(
+    data_synthetic_train_size=480,  # 10 steps of 48 an epoch
+    data_batch_size=None,  # the global batch size instead
+    data_global_batch_size=48,
+    data_synthetic_eval_size=65,
+    data_eval_batch_size=16,
+    data_augment=False,
+    train_grad_accum_steps=2,
+    train_epochs=2,
+    train_ema_decay=0.9,
+    train_compile="off",
+    model_widths="8,16,16",
+    optim_name="adamw",
+    optim_lr=0.003,
+    optim_warmup_steps=2,
+    log_every_steps=4,
+    dist_timeout_s=120,
+    ckpt_keep=20,
+    train_deterministic=True,
+)
 # torch's warning for an op without a deterministic kernel (warn_only=True; Context.cpp)
 NONDETERMINISTIC = "does not have a deterministic implementation"
 

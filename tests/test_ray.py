@@ -18,27 +18,24 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import REPO, assert_same_training_state, final_state, launch, rows
+from helpers import REPO, assert_same_training_state, final_state, launch, rows, tiny_job_args
 
 if not os.environ.get("CI"):  # under CI the ray group is part of the set-up (scripts/test.sh)
     pytest.importorskip("ray", reason="the ray dependency group: uv sync --group ray")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
-JOB = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=4096",  # 256 steps: the stop tests stop it after the first
+JOB = tiny_job_args(
+    data_synthetic_train_size=4096,  # 256 steps: the stop tests stop it after the first
     # checkpoint, a few seconds in, while it still has seconds to run on a fast machine
-    "--data.synthetic_eval_size=300",
-    "--data.batch_size=32",
-    "--model.widths=8,16",
-    "--data.num_workers=0",
-    "--train.epochs=4",
-    "--ckpt.every_steps=32",
-    "--log.every_steps=4",
-    "--log.tensorboard=false",
-    "--dist.timeout_s=60",
-]
+    data_synthetic_eval_size=300,
+    data_batch_size=32,
+    model_widths="8,16",
+    train_epochs=4,
+    ckpt_every_steps=32,
+    log_every_steps=4,
+    dist_timeout_s=60,
+)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ CPU = torch.device("cpu")
 
 
 class Spinning(Dataset):
-    """Each sample keeps its loader worker's core busy for `seconds`."""
+    """Each sample keeps its loader worker's core busy for `seconds` of CPU time; the sample is
+    the worker's CPU time (time.process_time) when it was done: the worker's own account."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -26,28 +28,80 @@ class Spinning(Dataset):
     def __len__(self) -> int:
         return 10_000
 
-    def __getitem__(self, index: int) -> int:
+    def __getitem__(self, index: int) -> float:
         end = time.thread_time() + self.seconds
         while time.thread_time() < end:
             pass
-        return index
+        return time.process_time()
 
 
-def test_loader_workers_cpu_use_is_measured_per_worker() -> None:
-    """One worker spinning for every sample is CPU-bound (about one core); the training
-    process, sleeping while it waits, uses little."""
+def test_usage_is_each_processs_cpu_time_over_the_wall_time(monkeypatch) -> None:
+    """From given CPU times and a given clock: the training process's CPU seconds per second,
+    all its loader workers' together, and per worker; each sample covers the time since the
+    previous one; a worker started in the interval counts from its start, one whose /proc entry
+    is gone adds nothing; without workers the loader figures are not measured."""
+    clock = SimpleNamespace(wall=100.0, own=5.0)
+    monkeypatch.setattr(
+        saturation,
+        "time",
+        SimpleNamespace(perf_counter=lambda: clock.wall, process_time=lambda: clock.own),
+    )
+    cpu = {11: 1.0, 12: 2.0}  # each worker's CPU seconds, as /proc/<pid>/stat gives them
+    monkeypatch.setattr(saturation, "_cpu_seconds", cpu.get)
+    pids = [11, 12]
+    usage = saturation.Usage(CPU, lambda: pids)
+    clock.wall, clock.own = 102.0, 5.5
+    cpu.update({11: 2.5, 12: 2.5})  # 1.5 s and 0.5 s of CPU in 2 s
+    trainer, loader_cores, per_worker, *gpu = usage.sample()
+    assert (trainer, loader_cores, per_worker) == (0.25, 1.0, 0.5)
+    assert all(math.isnan(v) for v in gpu)  # no GPU: not measured, left out of rows
+    pids[:] = [11, 12, 13]
+    del cpu[12]  # exited after it was listed
+    cpu.update({11: 3.0, 13: 0.75})  # 13 started in this interval
+    clock.wall, clock.own = 104.0, 6.0
+    trainer, loader_cores, per_worker, *_ = usage.sample()
+    assert (trainer, loader_cores) == (0.25, (0.5 + 0.75) / 2)
+    assert per_worker == pytest.approx(loader_cores / 3)
+    pids.clear()  # data.num_workers=0
+    clock.wall, clock.own = 105.0, 7.0
+    trainer, loader_cores, per_worker, *_ = usage.sample()
+    assert trainer == 1.0 and math.isnan(loader_cores) and math.isnan(per_worker)
+
+
+def test_loader_workers_cpu_use_is_measured_per_worker(monkeypatch) -> None:
+    """A real loader worker spinning for every sample: the CPU time Usage reads for it from
+    /proc lies between what the worker itself counted at the samples it can have finished when
+    the interval began and ended, and the training process's is its own process time. Usage's
+    clock is set to 1 s so that its figures are CPU seconds: nothing here depends on how busy
+    the machine is (the share of a core itself is a measurement, not a test)."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(
+        saturation,
+        "time",
+        SimpleNamespace(perf_counter=lambda: clock.now, process_time=time.process_time),
+    )
     loader = DataLoader(Spinning(0.02), batch_size=1, num_workers=1, persistent_workers=True)
+    ahead = loader.prefetch_factor * loader.num_workers  # samples asked for beyond those taken
     batches = iter(loader)
-    next(batches)  # the worker is up
+    done = [next(batches).item()]  # the worker is up: sample 0 is done
+    own_before = time.process_time()
     usage = saturation.Usage(CPU, lambda: data.worker_pids(loader))
     assert len(data.worker_pids(loader)) == 1
-    for _ in range(25):  # about 0.5 s of the worker's CPU time
-        next(batches)
+    done += [next(batches).item() for _ in range(25)]
+    clock.now = 1.0
     trainer, loader_cores, per_worker, *gpu = usage.sample()
-    assert 0.7 < per_worker <= 1.05 and loader_cores == per_worker
-    assert trainer < 0.5
-    assert all(math.isnan(v) for v in gpu)  # no GPU: not measured, left out of rows
+    own_after = time.process_time()
+    done += [next(batches).item() for _ in range(ahead)]
     data.close_loader(loader)
+    # At the start the worker had finished sample 0 and at most `ahead` more; at the end, the
+    # 25 taken and at most `ahead` more. Slack: /proc/<pid>/stat counts user and system time
+    # apart in whole ticks of 0.01 s (up to 0.02 s short at either end), and the worker passes
+    # each sample on after counting it (well under 0.01 s).
+    slack = 0.02 + 0.01
+    assert done[25] - done[ahead] - slack <= per_worker <= done[25 + ahead] - done[0] + slack
+    assert per_worker >= 0.4 and loader_cores == per_worker  # 23 samples of 0.02 s at least
+    assert 0.0 <= trainer <= own_after - own_before
+    assert all(math.isnan(v) for v in gpu)
 
 
 def test_reduce_gives_min_median_max_over_the_ranks_that_measured() -> None:

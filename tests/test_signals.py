@@ -25,6 +25,7 @@ from helpers import (
     final_state,
     free_port,
     launch,
+    tiny_job_args,
     train_command,
     wait_for_train_rows,
 )
@@ -34,21 +35,16 @@ import exitcodes
 pytestmark = pytest.mark.e2e
 
 STEPS = 400  # about 8 s of training at 2 ranks: long enough to be hit mid-run
-JOB = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=20000",  # one epoch is longer than the run: no epoch-end save
-    "--data.synthetic_eval_size=64",
-    "--data.batch_size=16",
-    "--model.widths=4,8,8",
-    "--log.tensorboard=false",
-    "--data.loader=dataloader",
-    "--data.num_workers=1",  # loader workers, which must survive the signals
-    "--log.every_steps=1",
-    "--dist.preflight=false",
-    "--dist.timeout_s=30",
-    f"--train.max_steps={STEPS}",
-    "--train.epochs=1",
-]
+JOB = tiny_job_args(
+    data_synthetic_train_size=20000,  # one epoch is longer than the run: no epoch-end save
+    data_loader="dataloader",
+    data_num_workers=1,  # loader workers, which must survive the signals
+    log_every_steps=1,
+    dist_preflight=False,
+    dist_timeout_s=30,
+    train_max_steps=STEPS,
+    train_epochs=1,
+)
 
 
 def process_table() -> dict[int, tuple[int, str]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, final_state, launch, rows, run_ranks
+from helpers import REPO, final_state, launch, rows, run_ranks, tiny_job_args
 from torch import nn
 
 import exitcodes
@@ -30,28 +30,26 @@ from config import ConfigError, DistConfig, OptimConfig
 
 # Group norm: BatchNorm's batch statistics are per rank, so 2 ranks x 16 samples is not the
 # same model as 1 rank x 32 under any strategy; group norm is per sample.
-ARGS = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=480",  # 10 steps of 48 an epoch
-    "--data.global_batch_size=48",  # 24, 12 or 8 a micro-batch at 1, 2 or 3 ranks
-    "--data.synthetic_eval_size=65",  # 33 + 32: the ranks evaluate different numbers of batches
-    "--data.eval_batch_size=16",
-    "--data.num_workers=0",
-    "--data.augment=false",  # augmentation draws from each rank's own generator
-    "--train.grad_accum_steps=2",
-    "--train.epochs=2",
-    "--train.ema_decay=0.9",
-    "--model.widths=8,16,16",
-    "--model.norm=group",
-    "--optim.name=adamw",
-    "--optim.lr=0.003",
-    "--optim.warmup_steps=2",
-    "--log.tensorboard=false",
-    "--log.every_steps=4",
-    "--dist.preflight=false",
-    "--dist.timeout_s=60",
-    "--ckpt.keep=20",
-]
+ARGS = tiny_job_args(
+    data_synthetic_train_size=480,  # 10 steps of 48 an epoch
+    data_batch_size=None,  # the global batch size instead
+    data_global_batch_size=48,  # 24, 12 or 8 a micro-batch at 1, 2 or 3 ranks
+    data_synthetic_eval_size=65,  # 33 + 32: the ranks evaluate different numbers of batches
+    data_eval_batch_size=16,
+    data_augment=False,  # augmentation draws from each rank's own generator
+    train_grad_accum_steps=2,
+    train_epochs=2,
+    train_ema_decay=0.9,
+    model_widths="8,16,16",
+    model_norm="group",
+    optim_name="adamw",
+    optim_lr=0.003,
+    optim_warmup_steps=2,
+    log_every_steps=4,
+    dist_preflight=False,
+    dist_timeout_s=60,
+    ckpt_keep=20,
+)
 # How far two runs of the same math may end apart: the relative L2 difference of all the
 # weights (or all of one optimizer state), ||a - b|| / ||b||, after 20 AdamW steps. Rounding
 # alone does not stay at rounding's size here, likely because an activation at ReLU's kink or
@@ -391,7 +389,7 @@ def test_a_model_whose_forward_reads_values_trains_under_fsdp(tmp_path) -> None:
         "--dist.strategy=fsdp",
         "--model.factory=test_strategies:odd_model",
         '--model.kwargs={"kind": "reads"}',
-        *ARGS[:7],
+        *(arg for arg in ARGS if arg.startswith("--data.")),  # ARGS' data; the model is its own
         "--train.epochs=1",
         "--log.tensorboard=false",
         env={"PYTHONPATH": str(REPO / "tests")},
@@ -553,18 +551,18 @@ def test_a_model_that_outgrows_a_rank_fails_under_ddp_and_trains_under_fsdp(
         [
             "bash",
             "scripts/train_single_node.sh",
-            f"--run.dir={tmp_path / 'run'}",
-            f"--dist.strategy={strategy}",
-            "--model.factory=examples.custom_model:wide_mlp",
-            "--optim.name=adamw",
-            "--data.dataset=synthetic",
-            "--data.synthetic_train_size=64",
-            "--data.synthetic_eval_size=16",
-            "--data.batch_size=4",
-            "--data.num_workers=0",
-            "--train.max_steps=4",
-            "--log.tensorboard=false",
-            "--dist.preflight=false",
+            *tiny_job_args(
+                tmp_path / "run",
+                data_synthetic_train_size=64,
+                data_synthetic_eval_size=16,
+                data_batch_size=4,
+                model_widths=None,
+                dist_strategy=strategy,
+                model_factory="examples.custom_model:wide_mlp",
+                optim_name="adamw",
+                train_max_steps=4,
+                dist_preflight=False,
+            ),
         ],
         cwd=REPO,
         env=env,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import tiny_job_args
 
 import build
 import resilience
@@ -156,17 +157,13 @@ def test_a_part_is_registered_once_and_must_be_stateful() -> None:
         manager.register("ema", object())  # type: ignore[arg-type]
 
 
-TINY = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=64",
-    "--data.synthetic_eval_size=32",
-    "--data.batch_size=16",
-    "--data.num_workers=0",
-    "--model.widths=4,8",
-    "--log.tensorboard=false",
-    "--log.mfu=false",
-    "--dist.preflight=false",
-]
+TINY = tiny_job_args(
+    data_synthetic_train_size=64,
+    data_synthetic_eval_size=32,
+    model_widths="4,8",
+    log_mfu=False,
+    dist_preflight=False,
+)
 
 
 def test_new_checkpointed_state_is_one_registration(tmp_path) -> None:
@@ -391,7 +388,8 @@ def test_samples_labelled_ignore_are_named_as_such_not_as_unreadable_images(
         "input_shape": (1, 8, 8),
     }
     monkeypatch.setitem(sys.modules, "ignored_labels_for_test", module)
-    factory = ["--data.factory=ignored_labels_for_test:make", *TINY[3:], "--train.epochs=1"]
+    model_and_run = [a for a in TINY if not a.startswith(("--data.dataset", "--data.synthetic_"))]
+    factory = ["--data.factory=ignored_labels_for_test:make", *model_and_run, "--train.epochs=1"]
     cfg = parse_args([f"--run.dir={tmp_path}", *factory])
     handler = resilience.PreemptionHandler(cfg.run.preempt_signals)
     with caplog.at_level("WARNING"), train.Trainer(cfg, ONE, handler) as trainer:

@@ -21,6 +21,7 @@ from helpers import (
     free_port,
     launch,
     rows,
+    tiny_job_args,
     train_command,
 )
 
@@ -95,16 +96,16 @@ def test_single_process_python_train_py_on_synthetic(tmp_path) -> None:
     proc = run(
         train_command(
             None,
-            f"--run.dir={run_dir}",
-            "--data.dataset=synthetic",
-            "--data.synthetic_train_size=2048",
-            "--data.batch_size=64",
-            "--train.epochs=2",
-            "--optim.warmup_steps=5",
-            "--data.num_workers=0",
-            "--log.tensorboard=false",
-            *SMALL[:1],
-            "--log.every_steps=8",
+            *tiny_job_args(
+                run_dir,
+                *SMALL[:1],
+                data_synthetic_train_size=2048,
+                data_synthetic_eval_size=None,
+                data_batch_size=64,
+                train_epochs=2,
+                optim_warmup_steps=5,
+                log_every_steps=8,
+            ),
         )
     )
     assert proc.returncode == 0
@@ -144,12 +145,15 @@ def test_launch_multinode_script_single_node(tmp_path) -> None:
         [
             "bash",
             "scripts/launch_multinode.sh",
-            f"--run.dir={run_dir}",
-            "--data.dataset=synthetic",
-            "--data.synthetic_train_size=512",
-            "--data.batch_size=64",
-            "--train.max_steps=3",
-            *SMALL,
+            *tiny_job_args(
+                run_dir,
+                *SMALL,
+                data_synthetic_train_size=512,
+                data_synthetic_eval_size=None,
+                data_batch_size=64,
+                log_tensorboard=None,
+                train_max_steps=3,
+            ),
         ],
         **env,
     )
@@ -187,19 +191,18 @@ def test_launch_multinode_script_validates_its_environment() -> None:
 
 def test_resume_mid_epoch_matches_the_uninterrupted_run_exactly(tmp_path) -> None:
     """2 ranks, accumulation, workers: resuming from a mid-epoch checkpoint == never stopping."""
-    args = [
-        "--data.dataset=synthetic",
-        "--data.synthetic_train_size=1536",
-        "--data.synthetic_eval_size=256",
-        "--data.batch_size=32",
-        "--train.grad_accum_steps=2",
-        "--train.epochs=2",
-        "--ckpt.every_steps=5",
-        "--ckpt.keep=10",
-        "--optim.warmup_steps=3",
-        "--log.tensorboard=false",
+    args = tiny_job_args(
+        None,
         *SMALL,
-    ]
+        data_synthetic_train_size=1536,
+        data_synthetic_eval_size=256,
+        data_batch_size=32,
+        train_grad_accum_steps=2,
+        train_epochs=2,
+        ckpt_every_steps=5,
+        ckpt_keep=10,
+        optim_warmup_steps=3,
+    )
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     assert run(train_command(2, f"--run.dir={full}", *args)).returncode == 0  # 12 steps per epoch
     (resumed / "checkpoints").mkdir(parents=True)
@@ -225,14 +228,13 @@ def test_fresh_run_in_a_used_run_dir_is_refused_and_changes_no_file(tmp_path) ->
     args = [
         sys.executable,
         "train.py",
-        f"--run.dir={tmp_path}",
-        "--data.dataset=synthetic",
-        "--data.synthetic_train_size=256",
-        "--data.batch_size=64",
-        "--train.max_steps=2",
-        "--data.num_workers=0",
-        "--log.tensorboard=false",
-        "--model.widths=8",
+        *tiny_job_args(
+            tmp_path,
+            data_synthetic_eval_size=None,
+            data_batch_size=64,
+            model_widths=8,
+            train_max_steps=2,
+        ),
     ]
     assert run(args).returncode == 0
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
@@ -251,15 +253,17 @@ def test_speed_figures_stragglers_and_profiler_trace(tmp_path) -> None:
     proc = run(
         train_command(
             2,
-            f"--run.dir={run_dir}",
-            "--data.dataset=synthetic",
-            "--data.synthetic_train_size=512",
-            "--data.batch_size=32",
-            "--train.max_steps=6",
-            "--log.every_steps=2",
-            "--log.straggler_every_steps=3",
-            "--log.profile_steps=2,4",
-            *SMALL,
+            *tiny_job_args(
+                run_dir,
+                *SMALL,
+                data_synthetic_train_size=512,
+                data_synthetic_eval_size=None,
+                data_batch_size=32,
+                log_tensorboard=None,  # the profiler's trace goes there
+                train_max_steps=6,
+                log_straggler_every_steps=3,
+                log_profile_steps="2,4",
+            ),
         )
     )
     assert proc.returncode == 0
@@ -377,21 +381,19 @@ def test_resnet18_trains_with_compile_bf16_and_channels_last(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(
         None,
-        f"--run.dir={run_dir}",
-        "--data.dataset=synthetic",
-        "--data.synthetic_shape=3,32,32",
-        "--data.synthetic_train_size=256",
-        "--data.synthetic_eval_size=64",
-        "--data.batch_size=32",
-        "--data.num_workers=0",
-        "--model.name=resnet18",
-        "--train.compile=on",
-        "--train.amp=bf16",
-        "--model.channels_last=on",
-        "--train.epochs=2",
-        "--optim.warmup_steps=2",
-        "--log.every_steps=4",
-        "--log.tensorboard=false",
+        *tiny_job_args(
+            run_dir,
+            data_synthetic_shape="3,32,32",
+            data_batch_size=32,
+            model_widths=None,
+            model_name="resnet18",
+            train_compile="on",
+            train_amp="bf16",
+            model_channels_last="on",
+            train_epochs=2,
+            optim_warmup_steps=2,
+            log_every_steps=4,
+        ),
     )
     assert proc.returncode == 0, proc.output[-4000:]
     assert "GFLOP per training sample" in proc.output  # MFU's count ran
@@ -583,9 +585,14 @@ def test_an_evaluation_set_smaller_than_the_world_size_is_evaluated_exactly(tmp_
     batch of it) and the default configuration ended with exit 1. Now rank 1 evaluates
     nothing and the one sample is counted once."""
     run_dir = tmp_path / "run"
-    args = ["--data.dataset=synthetic", "--data.synthetic_train_size=128"]
-    args += ["--data.synthetic_eval_size=1", "--data.batch_size=16", "--train.epochs=1"]
-    done = launch(2, f"--run.dir={run_dir}", *args, *SMALL[:2], "--log.tensorboard=false")
+    args = tiny_job_args(
+        run_dir,
+        *SMALL[:2],
+        data_synthetic_train_size=128,
+        data_synthetic_eval_size=1,
+        train_epochs=1,
+    )
+    done = launch(2, *args)
     assert done.returncode == 0, done.output[-4000:]
     (row,) = rows(run_dir, "eval")
     assert row["num_samples"] == 1 and row["accuracy"] in (0.0, 1.0)

@@ -12,23 +12,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers import tiny_job_args
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "netns_cluster.sh"
 
 
 # A small synthetic job, 6 steps, that the multi-node and container tests run on their hosts.
-JOB = [
-    "--data.dataset=synthetic",
-    "--data.synthetic_train_size=1024",
-    "--data.synthetic_eval_size=300",
-    "--data.batch_size=32",
-    "--train.max_steps=6",
-    "--model.widths=8,16",
-    "--data.num_workers=0",
-    "--log.every_steps=2",
-    "--log.tensorboard=false",
-    "--dist.timeout_s=60",
-]
+JOB = tiny_job_args(
+    data_synthetic_train_size=1024,
+    data_synthetic_eval_size=300,
+    data_batch_size=32,
+    train_max_steps=6,
+    model_widths="8,16",
+    log_every_steps=2,
+    dist_timeout_s=60,
+)
 
 
 def address(node: int) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_training_state, final_state
+from helpers import assert_same_training_state, final_state, tiny_job_args
 from slurm_cluster import FINAL_STATES, SlurmCluster, leftovers, slurm_cluster
 
 CAN_RUN_SLURM = os.geteuid() == 0 and all(
@@ -39,18 +39,16 @@ pytestmark = [
 N_TRAIN, BATCH, SEED, EPOCHS, WORLD = 4096, 16, 0, 2, 2
 P = 2_147_483_647
 STEPS = N_TRAIN // BATCH // WORLD * EPOCHS  # 256
-COMMON = [
-    "--data.dataset=synthetic",
-    f"--data.synthetic_train_size={N_TRAIN}",
-    "--data.synthetic_eval_size=64",
-    f"--data.batch_size={BATCH}",
-    f"--train.epochs={EPOCHS}",
-    "--model.widths=8,16",
-    "--log.every_steps=4",
-    "--log.tensorboard=false",
-    "--ckpt.every_steps=40",
-    "--dist.timeout_s=30",
-]
+COMMON = tiny_job_args(
+    data_synthetic_train_size=N_TRAIN,
+    data_batch_size=BATCH,
+    data_num_workers=None,  # each job below sets its own
+    train_epochs=EPOCHS,
+    model_widths="8,16",
+    log_every_steps=4,
+    ckpt_every_steps=40,
+    dist_timeout_s=30,
+)
 # Loader worker processes, so that Slurm's signals reach those too.
 JOB = [*COMMON, "--data.loader=dataloader", "--data.num_workers=1", "--dist.preflight=false"]
 # Long enough (over a minute of training on 2 cores) to still run when a time-limit signal

@@ -1,0 +1,110 @@
+"""StepGuard's per-step verdicts, as its docstrings state them: a non-finite loss or gradient
+skips the step (and names the rank of a loss), the run of skips ends in DivergedError at
+train.max_nonfinite_steps, a preemption signal or a busy checkpoint writer on any rank
+reaches every rank."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from helpers import ThreadRanks
+
+import distributed
+from distributed import DistInfo
+from resilience import DivergedError, StepGuard, Verdict
+
+ONE = DistInfo(0, 0, 1, torch.device("cpu"))
+FINITE = torch.tensor(2.5)
+
+
+def test_a_finite_step_is_applied() -> None:
+    guard = StepGuard(ONE, max_consecutive=3, check_grad=True)
+    verdict = guard.agree(FINITE, torch.tensor(0.7), None, step=1)
+    assert verdict == Verdict(skip=False, stop=None, nonfinite_ranks=(), writes_done=True)
+    assert (guard.consecutive, guard.skipped_total) == (0, 0)
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_loss_skips_the_step_and_names_its_rank(loss: float, caplog) -> None:
+    guard = StepGuard(ONE, max_consecutive=3, check_grad=True)
+    with caplog.at_level(logging.WARNING, logger="resilience"):
+        verdict = guard.agree(torch.tensor(loss), torch.tensor(0.7), None, step=4)
+    assert verdict == Verdict(skip=True, stop=None, nonfinite_ranks=(0,))
+    assert (guard.consecutive, guard.skipped_total) == (1, 1)
+    assert caplog.messages == [
+        "step 4: non-finite loss on rank(s) [0]; skipped the optimizer step "
+        "(1 in a row, 1 in total)"
+    ]
+
+
+def test_a_non_finite_gradient_skips_the_step_unless_the_grad_scaler_owns_it(caplog) -> None:
+    checked = StepGuard(ONE, max_consecutive=3, check_grad=True)
+    with caplog.at_level(logging.WARNING, logger="resilience"):
+        verdict = checked.agree(FINITE, torch.tensor(math.inf), None, step=2)
+    assert verdict == Verdict(skip=True, stop=None, nonfinite_ranks=())
+    assert caplog.messages[-1].startswith("step 2: non-finite gradient; skipped")
+    fp16 = StepGuard(ONE, max_consecutive=3, check_grad=False)  # the GradScaler skips inf steps
+    assert not fp16.agree(FINITE, torch.tensor(math.nan), None, step=2).skip
+    assert fp16.agree(torch.tensor(math.nan), torch.tensor(math.nan), None, step=3).skip
+
+
+def test_the_limit_of_consecutive_skips_raises_diverged_and_an_applied_step_resets() -> None:
+    guard = StepGuard(ONE, max_consecutive=3, check_grad=True)
+    nan = torch.tensor(math.nan)
+    outcomes = [
+        guard.agree(loss, FINITE, None, step=s).skip
+        for s, loss in enumerate([nan, nan, FINITE, nan, nan], start=1)
+    ]
+    assert outcomes == [True, True, False, True, True]  # never 3 in a row
+    assert (guard.consecutive, guard.skipped_total) == (2, 4)
+    with pytest.raises(DivergedError) as raised:
+        guard.agree(nan, FINITE, None, step=6)
+    message = str(raised.value)
+    assert message.startswith("3 consecutive optimizer steps had a non-finite loss or gradient")
+    assert "the last at step 6, loss on rank(s) [0]" in message
+    assert "train.max_nonfinite_steps=3" in message
+    assert (guard.consecutive, guard.skipped_total) == (3, 5)
+
+
+def test_a_limit_of_one_raises_at_the_first_non_finite_step() -> None:
+    guard = StepGuard(ONE, max_consecutive=1, check_grad=True)
+    with pytest.raises(DivergedError, match="train.max_nonfinite_steps=1"):
+        guard.agree(FINITE, torch.tensor(math.inf), None, step=1)
+
+
+def test_a_preemption_signal_stops_and_a_busy_writer_holds_back_without_skipping() -> None:
+    guard = StepGuard(ONE, max_consecutive=3, check_grad=True)
+    stopped = guard.agree(FINITE, FINITE, "SIGTERM", step=5)
+    assert stopped == Verdict(skip=False, stop="SIGTERM", nonfinite_ranks=(), writes_done=True)
+    writing = guard.agree(FINITE, FINITE, None, step=6, writing=True)
+    assert writing == Verdict(skip=False, stop=None, nonfinite_ranks=(), writes_done=False)
+    both = guard.agree(torch.tensor(math.nan), FINITE, "SIGUSR2", step=7, writing=True)
+    assert both == Verdict(skip=True, stop="SIGUSR2", nonfinite_ranks=(0,), writes_done=False)
+
+
+def test_one_ranks_nan_signal_or_busy_writer_is_every_ranks_verdict(monkeypatch) -> None:
+    """Three ranks: rank 2's loss is NaN, rank 1 received SIGTERM, rank 0 is still writing.
+    Every rank skips naming rank 2, stops, and waits for the writer; the rank that got the
+    signal names it, the others say another rank received one."""
+    ranks = ThreadRanks(3)
+    monkeypatch.setattr(distributed, "all_reduce_sum", ranks.all_reduce_sum)
+    losses = {0: FINITE, 1: FINITE, 2: torch.tensor(math.nan)}
+
+    def rank_fn(rank: int) -> tuple[Verdict, Verdict]:
+        guard = StepGuard(DistInfo(rank, rank, 3, torch.device("cpu")), 3, check_grad=True)
+        first = guard.agree(
+            losses[rank], FINITE, "SIGTERM" if rank == 1 else None, step=1, writing=rank == 0
+        )
+        second = guard.agree(FINITE, FINITE, None, step=2)  # the next step: all clear
+        return first, second
+
+    verdicts = ranks.run(rank_fn)
+    other = "a signal received by another rank"
+    assert [first for first, _ in verdicts] == [
+        Verdict(skip=True, stop=stop, nonfinite_ranks=(2,), writes_done=False)
+        for stop in (other, "SIGTERM", other)
+    ]
+    assert [second for _, second in verdicts] == [Verdict(False, None, ())] * 3
