@@ -1,4 +1,4 @@
-"""scripts/benchmark.py: its bare loop does the pipeline's math, and a quick run reports every
+"""benchmarks/run.py: its bare loop does the pipeline's math, and a quick run reports every
 figure it promises."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ CPU = torch.device("cpu")
 
 
 def load_benchmark() -> ModuleType:
-    """scripts/ is no package: import the script by path."""
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    """benchmarks/run.py is a script: import it by path."""
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "benchmarks" / "run.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["benchmark"] = module  # dataclasses look their module up while being built
@@ -99,7 +99,7 @@ def test_quick_run_reports_every_figure(tmp_path) -> None:
     (finished / "metrics.jsonl").write_text(json.dumps(eval_row) + "\n")
     command = [
         sys.executable,
-        "scripts/benchmark.py",
+        "benchmarks/run.py",
         "--quick",
         "--out",
         str(out),
@@ -143,8 +143,7 @@ def test_quick_run_reports_every_figure(tmp_path) -> None:
 def test_imagefolder_benchmark_quick_run_reports_both_sides(tmp_path) -> None:
     out = tmp_path / "imagefolder.json"
     proc = subprocess.run(
-        [sys.executable, "scripts/benchmark_imagefolder.py", "--quick", "--sizes=32"]
-        + [f"--out={out}"],
+        [sys.executable, "benchmarks/imagefolder.py", "--quick", "--sizes=32"] + [f"--out={out}"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -168,7 +167,7 @@ def test_strategies_report_what_each_rank_holds(tmp_path) -> None:
     parameters with 100 classes; AdamW keeps two fp32 moments of each): ddp holds everything,
     zero a share of the optimizer state, fsdp a share of everything."""
     out = tmp_path / "strategies.json"
-    command = [sys.executable, "scripts/benchmark.py", "--quick", "--strategies=resnet18"]
+    command = [sys.executable, "benchmarks/run.py", "--quick", "--strategies=resnet18"]
     command += ["--only-strategies", "--out", str(out), f"--run.dir={tmp_path / 'run'}"]
     result = subprocess.run(
         command,

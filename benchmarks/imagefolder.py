@@ -1,6 +1,6 @@
 """Image-folder loading: the pipeline's path against torchvision's reference recipe, side by side.
 
-    python scripts/benchmark_imagefolder.py [--sizes 224,64] [--workers 2] [--batch 64]
+    python benchmarks/imagefolder.py [--sizes 224,64] [--workers 2] [--batch 64]
         [--images 640] [--repeats 5] [--quick] [--out FILE.json]
 
 Both sides load the same JPEG folder into training batches with the same loader workers, batch
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark import Spread  # noqa: E402
+from run import Spread  # noqa: E402
 
 import data  # noqa: E402
 from config import DataConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """Measure the pipeline against hand-written references in one run, and report the ratios.
 
-    python scripts/benchmark.py [--quick] [--out FILE.json] [--device auto|cpu|cuda]
+    python benchmarks/run.py [--quick] [--out FILE.json] [--device auto|cpu|cuda]
         [--threads N] [--repeats N] [--time-to-accuracy RUN_DIR] [--section.field=VALUE ...]
 
 Config overrides (and `--config FILE.toml`) are train.py's; they configure the measured job.
@@ -1303,7 +1303,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         help="with --strategies: measure the strategies alone (not the pipeline's figures)",
     )
     args, rest = parser.parse_known_args(argv)
-    return args, parse_args(rest, prog="scripts/benchmark.py")
+    return args, parse_args(rest, prog="benchmarks/run.py")
 
 
 def main(argv: list[str] | None = None) -> int:
