@@ -1,6 +1,6 @@
 """Image-folder loading: the pipeline's path against torchvision's reference recipe, side by side.
 
-    python benchmarks/imagefolder.py [--sizes 224,64] [--workers 2] [--batch 64]
+    python -m benchmarks.imagefolder [--sizes 224,64] [--workers 2] [--batch 64]
         [--images 640] [--repeats 5] [--quick] [--out FILE.json]
 
 Both sides load the same JPEG folder into training batches with the same loader workers, batch
@@ -13,14 +13,9 @@ order alternating), so drift on the machine hits both alike:
   RandomResizedCrop, RandomHorizontalFlip, ToImage, ToDtype(float32, scale=True), Normalize, in
   a DataLoader (shuffle=True): the recipe of torchvision's classification references.
 
-Figures, our side twice (the uint8 batches the loader hands to the device, and with
-data.Preprocess run on the CPU as well, as CPU-only training does): samples/s with the
-workers, samples/s per core (one process, one thread, no workers: what one core does), the
-ratios ours / reference, and where one sample's time goes on each side
-(read, decode, crop and resize, to float and normalise), each the median of `repeats` rounds
-with min and max. The folder holds photo-sized JPEGs (500x375, ImageNet's typical size, its
-mean file size printed): Fashion-MNIST images upscaled with a fine texture added, so that
-they compress like photos rather than like flat drawings.
+Our side twice: the uint8 batches, and with data.Preprocess on the CPU too (as CPU-only
+training does). The figures and the photo-like folder they are measured on: BENCHMARKS.md
+("Image folders").
 """
 
 from __future__ import annotations
@@ -39,15 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from run import Spread  # noqa: E402
-
-import data  # noqa: E402
-from config import DataConfig  # noqa: E402
-from distributed import DistInfo  # noqa: E402
-from inputs import imagefolder  # noqa: E402
+import data
+from benchmarks.common import Spread
+from config import DataConfig
+from distributed import DistInfo
+from inputs import imagefolder
 
 CPU = torch.device("cpu")
 ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=CPU)
@@ -236,7 +227,9 @@ def measure(size: int, root: Path, workers: int, batch: int, batches: int, repea
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.imagefolder", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--sizes", default="224,64")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
