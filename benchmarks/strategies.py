@@ -74,63 +74,12 @@ def strategy_entry(
     parameters, gradients and optimizer state this rank holds after a step, its peak memory,
     and seconds per `steps` steps; under fsdp the checkpoint timings too (the async stall
     unless `async_stall` is false)."""
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{scratch}/store-{strategy}-{store}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=300),
-    )
+    device, backend = join_pair(rank, device_type, f"file://{scratch}/store-{strategy}-{store}")
     try:
         info = DistInfo(rank, rank, 2, device, backend)
-        rss_start = _rss_bytes()
-        torch.manual_seed(0)
-        model = build(ModelConfig(name=model_name), (3, image, image), 100)
-        if not parallel.shards(strategy):  # fsdp shards it onto the device (build.build_model)
-            model = model.to(device)
-        par = parallel.parallelize(model, info, DistConfig(strategy=strategy))
-        kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="adamw"))
-        optimizer = par.build_optimizer(kind, groups, **settings)
-        scaler = engine.make_scaler(device, None)
-        loss_fn = nn.CrossEntropyLoss()
-        generator = torch.Generator().manual_seed(rank)
-        images = torch.randn(batch, 3, image, image, generator=generator).to(device)
-        labels = torch.randint(0, 100, (batch,), generator=generator).to(device)
-        held: dict[str, int] = {}
-
-        def step(count: bool = False) -> None:
-            engine.forward_backward(
-                par.model, [(images, labels)], optimizer, scaler, loss_fn, None, 0.0
-            )
-            if count:  # gradients exist between backward and the update
-                held["grads"] = _local_bytes(p.grad for p in par.bare.parameters())
-            engine.apply_update(optimizer, scaler)
-
-        step(count=True)
-        held["params"] = _local_bytes(par.bare.parameters())
-        held["optimizer_state"] = _local_bytes(optimizer_state_tensors(optimizer))
-        seconds = [
-            timed(partial(lambda: [step() for _ in range(steps)]), device) for _ in range(rounds)
-        ]
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            peak_kind = "max_memory_allocated"
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start
-            peak_kind = "peak RSS above the RSS before the model was built"
-        report = {**held, "peak_bytes": peak, "peak_kind": peak_kind, "seconds": seconds}
-        if strategy == "fsdp":  # after the peak: the saves' buffers are not training's
-            report["checkpoint"] = time_checkpoints(info, par, optimizer, Path(scratch), rounds)
-            if async_stall:
-                sync_s = statistics.median(report["checkpoint"]["save_sharded_s"])
-                report["checkpoint"] |= time_async_stall(
-                    info, par, optimizer, Path(scratch), 3, step, sync_s
-                )
+        report = strategy_report(
+            info, strategy, model_name, image, batch, steps, rounds, Path(scratch), async_stall
+        )
         gathered = distributed.all_gather_object(report)
         if rank == 0:
             (Path(scratch) / f"strategy-{strategy}.json").write_text(json.dumps(gathered))
@@ -143,6 +92,104 @@ def strategy_entry(
         os._exit(0)
     finally:  # a failure: spawn reports this rank's exception
         distributed.teardown()
+
+
+def join_pair(rank: int, device_type: str, init_method: str) -> tuple[torch.device, str]:
+    """Join the group of 2 ranks through a file store (no port to race for), one thread."""
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+    )
+    return device, backend
+
+
+def strategy_report(
+    info: DistInfo,
+    strategy: str,
+    model_name: str,
+    image: int,
+    batch: int,
+    steps: int,
+    rounds: int,
+    scratch: Path,
+    async_stall: bool,
+) -> dict[str, Any]:
+    """This rank's figures under `strategy` (strategy_entry says which)."""
+    rss_start = _rss_bytes()
+    par, optimizer = build_strategy(info, strategy, model_name, image)
+    held: dict[str, int] = {}
+    step = training_step(info, par, optimizer, batch, image, held)
+    step(count=True)
+    held["params"] = _local_bytes(par.bare.parameters())
+    held["optimizer_state"] = _local_bytes(optimizer_state_tensors(optimizer))
+    seconds = [
+        timed(partial(lambda: [step() for _ in range(steps)]), info.device) for _ in range(rounds)
+    ]
+    peak, peak_kind = peak_memory(info.device, rss_start)
+    report = {**held, "peak_bytes": peak, "peak_kind": peak_kind, "seconds": seconds}
+    if strategy == "fsdp":  # after the peak: the saves' buffers are not training's
+        report["checkpoint"] = time_checkpoints(info, par, optimizer, scratch, rounds)
+        if async_stall:
+            sync_s = statistics.median(report["checkpoint"]["save_sharded_s"])
+            report["checkpoint"] |= time_async_stall(info, par, optimizer, scratch, 3, step, sync_s)
+    return report
+
+
+def build_strategy(
+    info: DistInfo, strategy: str, model_name: str, image: int
+) -> tuple[parallel.Parallel, torch.optim.Optimizer]:
+    """`model_name` (100 classes, the same initial weights on every rank) under `strategy`,
+    with AdamW built the strategy's way."""
+    torch.manual_seed(0)
+    model = build(ModelConfig(name=model_name), (3, image, image), 100)
+    if not parallel.shards(strategy):  # fsdp shards it onto the device (build.build_model)
+        model = model.to(info.device)
+    par = parallel.parallelize(model, info, DistConfig(strategy=strategy))
+    kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="adamw"))
+    return par, par.build_optimizer(kind, groups, **settings)
+
+
+def training_step(
+    info: DistInfo,
+    par: parallel.Parallel,
+    optimizer: torch.optim.Optimizer,
+    batch: int,
+    image: int,
+    held: dict[str, int],
+) -> Callable[..., None]:
+    """One optimizer step on a fixed random batch of this rank's; `step(count=True)` also
+    records in `held` the bytes of the gradients this rank holds."""
+    scaler = engine.make_scaler(info.device, None)
+    loss_fn = nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(info.rank)
+    images = torch.randn(batch, 3, image, image, generator=generator).to(info.device)
+    labels = torch.randint(0, 100, (batch,), generator=generator).to(info.device)
+
+    def step(count: bool = False) -> None:
+        engine.forward_backward(
+            par.model, [(images, labels)], optimizer, scaler, loss_fn, None, 0.0
+        )
+        if count:  # gradients exist between backward and the update
+            held["grads"] = _local_bytes(p.grad for p in par.bare.parameters())
+        engine.apply_update(optimizer, scaler)
+
+    return step
+
+
+def peak_memory(device: torch.device, rss_start: int) -> tuple[int, str]:
+    """This rank's peak memory so far, and what it is."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "max_memory_allocated"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start
+    return peak, "peak RSS above the RSS before the model was built"
 
 
 def time_checkpoints(
@@ -200,45 +247,18 @@ def time_async_stall(
     difference (prepare, the copy into shared memory, and the writers' competition for the
     cores)."""
     model_part, optim_part = parts.ModelState(par.bare), parts.OptimizerState(optimizer)
-    gather = distributed.all_gather_object
-
-    def agree(error: BaseException | None, what: str) -> None:
-        distributed.raise_if_any_failed(info, error, what)
-
-    def clock() -> float:  # after the device's queued work (CUDA runs ahead of the host)
-        if info.device.type == "cuda":
-            torch.cuda.synchronize(info.device)
-        return time.perf_counter()
-
-    started = clock()
+    started = _clock(info.device)
     step()
-    steps = max(2, math.ceil(sync_s / (clock() - started)) + 1)
+    steps = max(2, math.ceil(sync_s / (_clock(info.device) - started)) + 1)
     saver = writer.ProcessSaver()
     directory = scratch / "ckpt-async"
     times: dict[str, list[float]] = {"steps_s": [], "steps_with_async_save_s": []}
     times["async_handover_s"] = []
     try:
         for number in range(rounds + 1):  # round 0: warm-up (the writer's buffers)
-            dist.barrier()
-            started = clock()
-            for _ in range(steps):
-                step()
-            plain = clock() - started
-            dist.barrier()
-            started = clock()
-            state = {
-                "model": model_part.sharded_state_dict(),
-                "optimizer": optim_part.sharded_state_dict(),
-                "step": number + 1,
-            }
-            plan = storage.prepare_sharded(state, directory, number + 1, info.rank, gather, agree)
-            saver.write_sharded(plan)
-            handover = clock() - started
-            for _ in range(steps):
-                step()
-            written = saver.wait()
-            storage.finish_sharded(plan, written, None, 1, None, info.rank, gather, agree)
-            with_save = clock() - started
+            plain, handover, with_save = _async_round(
+                info, (model_part, optim_part), saver, directory, number + 1, steps, step
+            )
             if number:
                 times["steps_s"].append(plain)
                 times["steps_with_async_save_s"].append(with_save)
@@ -246,6 +266,52 @@ def time_async_stall(
     finally:
         saver.close()
     return times
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work (CUDA runs ahead of the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _async_round(
+    info: DistInfo,
+    state_parts: tuple[parts.ModelState, parts.OptimizerState],
+    saver: writer.ProcessSaver,
+    directory: Path,
+    save_step: int,
+    steps: int,
+    step: Callable[[], None],
+) -> tuple[float, float, float]:
+    """Collective: seconds of `steps` plain steps, then of the hand-over of a sharded save
+    as of `save_step` and of the steps after it until the manifest is written."""
+    model_part, optim_part = state_parts
+    gather = distributed.all_gather_object
+
+    def agree(error: BaseException | None, what: str) -> None:
+        distributed.raise_if_any_failed(info, error, what)
+
+    dist.barrier()
+    started = _clock(info.device)
+    for _ in range(steps):
+        step()
+    plain = _clock(info.device) - started
+    dist.barrier()
+    started = _clock(info.device)
+    state = {
+        "model": model_part.sharded_state_dict(),
+        "optimizer": optim_part.sharded_state_dict(),
+        "step": save_step,
+    }
+    plan = storage.prepare_sharded(state, directory, save_step, info.rank, gather, agree)
+    saver.write_sharded(plan)
+    handover = _clock(info.device) - started
+    for _ in range(steps):
+        step()
+    written = saver.wait()
+    storage.finish_sharded(plan, written, None, 1, None, info.rank, gather, agree)
+    return plain, handover, _clock(info.device) - started
 
 
 def measure_strategies(
@@ -258,8 +324,35 @@ def measure_strategies(
 ) -> dict[str, Any]:
     """ddp, zero and fsdp at 2 ranks on `model_name`, each in fresh processes (a peak of
     memory is a process's), the strategies' turns interleaved over rounds (one with --quick)."""
-    per_strategy: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
     steps = max(2, plan.scaling_steps // 4)
+    per_strategy = run_strategies(model_name, device, plan, scratch, image, batch, steps)
+    result: dict[str, Any] = {
+        "model": model_name,
+        "input": [3, image, image],
+        "batch_per_rank": batch,
+        "steps_per_round": steps,
+    }
+    ddp_state = None
+    for strategy, runs in per_strategy.items():
+        result[strategy] = summarise_strategy(runs, batch, steps)
+        state = result[strategy]["state_bytes_max_rank"]
+        ddp_state = ddp_state or state
+        result[strategy]["state_vs_ddp"] = state / ddp_state
+    summarise_fsdp_checkpoints(result, per_strategy["fsdp"])
+    return result
+
+
+def run_strategies(
+    model_name: str,
+    device: torch.device,
+    plan: Plan,
+    scratch: Path,
+    image: int,
+    batch: int,
+    steps: int,
+) -> dict[str, list[list[dict[str, Any]]]]:
+    """Each strategy's runs, in turns: per run, what each of its 2 ranks reported."""
+    per_strategy: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in STRATEGIES}
     for repeat in range(1 if plan.quick else max(2, plan.repeats // 2)):
         order = STRATEGIES if repeat % 2 == 0 else tuple(reversed(STRATEGIES))
         for strategy in order:
@@ -282,50 +375,52 @@ def measure_strategies(
             )
             ranks = json.loads((scratch / f"strategy-{strategy}.json").read_text())
             per_strategy[strategy].append(ranks)
-    result: dict[str, Any] = {
-        "model": model_name,
-        "input": [3, image, image],
-        "batch_per_rank": batch,
-        "steps_per_round": steps,
+    return per_strategy
+
+
+def summarise_strategy(runs: list[list[dict[str, Any]]], batch: int, steps: int) -> dict[str, Any]:
+    """One strategy's bytes per rank (of its first run), peak memory and samples/s."""
+    first = runs[0]  # bytes do not vary between runs; the peak barely does
+    state = max(r["params"] + r["grads"] + r["optimizer_state"] for r in first)
+    rounds = [s for run in runs for r in run[:1] for s in r["seconds"]]
+    return {
+        "params_bytes_per_rank": [r["params"] for r in first],
+        "grads_bytes_per_rank": [r["grads"] for r in first],
+        "optimizer_state_bytes_per_rank": [r["optimizer_state"] for r in first],
+        "state_bytes_max_rank": state,
+        "peak_bytes_per_rank": Spread.of([max(r["peak_bytes"] for r in run) for run in runs]),
+        "peak_kind": first[0]["peak_kind"],
+        "samples_per_s": rates(rounds, 2 * batch * steps),
     }
-    ddp_state = None
-    for strategy, runs in per_strategy.items():
-        first = runs[0]  # bytes do not vary between runs; the peak barely does
-        state = max(r["params"] + r["grads"] + r["optimizer_state"] for r in first)
-        rounds = [s for run in runs for r in run[:1] for s in r["seconds"]]
-        result[strategy] = {
-            "params_bytes_per_rank": [r["params"] for r in first],
-            "grads_bytes_per_rank": [r["grads"] for r in first],
-            "optimizer_state_bytes_per_rank": [r["optimizer_state"] for r in first],
-            "state_bytes_max_rank": state,
-            "peak_bytes_per_rank": Spread.of([max(r["peak_bytes"] for r in run) for run in runs]),
-            "peak_kind": first[0]["peak_kind"],
-            "samples_per_s": rates(rounds, 2 * batch * steps),
-        }
-        ddp_state = ddp_state or state
-        result[strategy]["state_vs_ddp"] = state / ddp_state
-    fsdp_runs = per_strategy["fsdp"]
-    if "checkpoint" in fsdp_runs[0][0]:
-        result["checkpoint"] = {
-            key: Spread.of([s for run in fsdp_runs for s in run[0]["checkpoint"][key]])
-            for key in fsdp_runs[0][0]["checkpoint"]
-        }
-        if "steps_s" in fsdp_runs[0][0]["checkpoint"]:
-            stalls = [
-                a - p
-                for run in fsdp_runs
-                for a, p in zip(
-                    run[0]["checkpoint"]["steps_with_async_save_s"],
-                    run[0]["checkpoint"]["steps_s"],
-                    strict=True,
-                )
-            ]
-            result["stall_s"] = Spread.of(stalls)
-            # Below the noise the difference can come out negative: no measurable stall.
-            sync = result["checkpoint"]["save_sharded_s"].median
-            result["stall_ratio"] = max(0.0, result["stall_s"].median) / sync
-            result["handover_ratio"] = result["checkpoint"]["async_handover_s"].median / sync
-    return result
+
+
+def summarise_fsdp_checkpoints(
+    result: dict[str, Any], fsdp_runs: list[list[dict[str, Any]]]
+) -> None:
+    """Into `result`: fsdp's checkpoint timings (rank 0's), and the async save's stall and
+    hand-over against a synchronous sharded save, where they were measured."""
+    if "checkpoint" not in fsdp_runs[0][0]:
+        return
+    result["checkpoint"] = {
+        key: Spread.of([s for run in fsdp_runs for s in run[0]["checkpoint"][key]])
+        for key in fsdp_runs[0][0]["checkpoint"]
+    }
+    if "steps_s" not in fsdp_runs[0][0]["checkpoint"]:
+        return
+    stalls = [
+        a - p
+        for run in fsdp_runs
+        for a, p in zip(
+            run[0]["checkpoint"]["steps_with_async_save_s"],
+            run[0]["checkpoint"]["steps_s"],
+            strict=True,
+        )
+    ]
+    result["stall_s"] = Spread.of(stalls)
+    # Below the noise the difference can come out negative: no measurable stall.
+    sync = result["checkpoint"]["save_sharded_s"].median
+    result["stall_ratio"] = max(0.0, result["stall_s"].median) / sync
+    result["handover_ratio"] = result["checkpoint"]["async_handover_s"].median / sync
 
 
 def strategies_table(result: dict[str, Any]) -> str:

@@ -147,9 +147,6 @@ OVER_BUDGET = {
     "train.py": "split in issue 30, pending",
     "ckpt/storage.py": "split in issue 30, pending",
     "ckpt/manager.py::CheckpointManager.check_compatible": "split in issue 30, pending",
-    "benchmarks/strategies.py::strategy_entry": "split in issue 30, pending",
-    "benchmarks/strategies.py::time_async_stall": "split in issue 30, pending",
-    "benchmarks/strategies.py::measure_strategies": "split in issue 30, pending",
     "ckpt/rundir.py::__doc__": "split in issue 30, pending",
     "ckpt/writer.py::__doc__": "split in issue 30, pending",
 }
