@@ -180,3 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(to_json(report), indent=2) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

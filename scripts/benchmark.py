@@ -5,4 +5,4 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
+runpy.run_module("benchmarks.run", run_name="__main__", alter_sys=True)
