@@ -58,7 +58,8 @@ class Replay:
 
 
 class Pipeline:
-    """train.py's Trainer, driven through its public API: `train_steps(n)` and `save()`.
+    """train.py's Trainer, driven through its public API: `train_steps(n)`, and its
+    checkpoint manager's `use_saver` and `save`.
 
     The Trainer trains on a `Replay` of its own loader's batches (`use_train_loader`), so each `run`
     is `num_steps` steps of the real step (instruments, step guard, sample ledger, periodic
@@ -97,7 +98,7 @@ class Pipeline:
 
     def save(self, step: int, accuracy: float | None, saver: writer.ProcessSaver | None) -> None:
         """The Trainer's checkpoint save as of `step`: synchronous, or handed to `saver`."""
-        self.trainer.checkpoints.saver = saver
+        self.trainer.checkpoints.use_saver(saver)
         self.trainer.checkpoints.save(step, accuracy)
 
     def close(self) -> None:

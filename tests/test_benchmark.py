@@ -19,6 +19,7 @@ import distributed
 from benchmarks.common import QUICK
 from benchmarks.pipeline import bare_steps, build_rig
 from benchmarks.report import TARGETS, time_to_accuracy
+from ckpt import storage
 from cli import parse_args
 from distributed import DistInfo
 
@@ -63,6 +64,42 @@ def test_bare_loop_ends_with_the_pipelines_parameters(tmp_path, accum: int) -> N
     assert not torch.equal(bare["head.weight"], initial["head.weight"])  # it did train
     different = [key for key in bare if not torch.equal(pipeline[key], bare[key])]
     assert not different, f"bare loop and pipeline differ in {different}"
+
+
+def test_pipeline_saves_through_the_saver_it_is_given_and_synchronously_without(
+    tmp_path,
+) -> None:
+    """The async A/B's seam (CheckpointManager.use_saver): a save handed to a saver reaches it
+    and writes nothing itself; the next save without one is written by the Trainer's manager."""
+    cfg = parse_args(
+        [
+            "--data.dataset=synthetic",
+            "--data.synthetic_train_size=128",
+            "--data.batch_size=32",
+            "--model.widths=4,8",
+            "--log.tensorboard=false",
+        ]
+    )
+    info = DistInfo(0, 0, 1, CPU)
+    splits = data.build_datasets(cfg.data, cfg.train.seed, info)
+    rig = build_rig(cfg, info, QUICK, (splits.mean, splits.std), tmp_path)
+    handed: list[tuple[int, float | None]] = []
+
+    class Recorder:  # a ProcessSaver's save, recorded instead of written
+        def save(self, state: dict, directory, step: int, keep: int, accuracy) -> None:
+            assert state["step"] == step
+            handed.append((step, accuracy))
+
+    directory = storage.checkpoint_dir(tmp_path)
+    try:
+        rig.pipeline.save(3, 0.5, Recorder())  # type: ignore[arg-type]
+        assert handed == [(3, 0.5)]
+        assert not (directory / "step_3.pt").exists()
+        rig.pipeline.save(4, 0.6, None)
+        assert (directory / "step_4.pt").is_file()
+        assert handed == [(3, 0.5)]
+    finally:
+        rig.close()
 
 
 def test_time_to_accuracy_takes_the_first_evaluation_at_each_target(tmp_path) -> None:
