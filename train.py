@@ -205,7 +205,7 @@ class Trainer:
 
     def use_train_loader(self, loader: Any) -> None:
         """Train on `loader` instead of the loader built from cfg.data; call it before training
-        (scripts/benchmark.py replays a few batches of the built one, to time steps without
+        (benchmarks/pipeline.py replays a few batches of the built one, to time steps without
         waiting for data). Like the built loader, it yields (images, labels, indices) batches
         and has the `sampler` that data.set_epoch positions."""
         self.train_loader = loader

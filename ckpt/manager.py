@@ -133,6 +133,12 @@ class CheckpointManager:
         every = self.cfg.ckpt.every_steps
         return bool(every) and step % every == 0
 
+    def use_saver(self, saver: writer.ProcessSaver | None) -> None:
+        """Hand the next checkpoints to `saver` (None: write them in `save`), in place of the
+        writer ckpt.async_save set up; call it with no save in flight. The benchmark times
+        both ways on one run (benchmarks/checkpoints.py). `close()` closes the one it holds."""
+        self.saver = saver
+
     # -- saving --------------------------------------------------------------------------------
 
     def save(

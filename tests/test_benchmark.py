@@ -1,15 +1,13 @@
-"""scripts/benchmark.py: its bare loop does the pipeline's math, and a quick run reports every
-figure it promises."""
+"""benchmarks/: the bare loop does the pipeline's math, and a quick run reports every figure
+it promises."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from types import ModuleType
 
 import pytest
 import torch
@@ -18,23 +16,14 @@ from helpers import REPO, tiny_job_args
 
 import data
 import distributed
+from benchmarks.common import QUICK
+from benchmarks.pipeline import bare_steps, build_rig
+from benchmarks.report import TARGETS, time_to_accuracy
+from ckpt import storage
 from cli import parse_args
 from distributed import DistInfo
 
 CPU = torch.device("cpu")
-
-
-def load_benchmark() -> ModuleType:
-    """scripts/ is no package: import the script by path."""
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark"] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-benchmark = load_benchmark()
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -60,13 +49,13 @@ def test_bare_loop_ends_with_the_pipelines_parameters(tmp_path, accum: int) -> N
     )
     info = DistInfo(0, 0, 1, CPU)
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)
-    plan = benchmark.QUICK
-    rig = benchmark.build_rig(cfg, info, plan, (splits.mean, splits.std), tmp_path)
+    plan = QUICK
+    rig = build_rig(cfg, info, plan, (splits.mean, splits.std), tmp_path)
     initial = {k: v.clone() for k, v in rig.bare.model.state_dict().items()}
     try:
         for num_steps in (5, 2):  # each call goes on with the replayed batches, in both loops
             rig.pipeline.run(num_steps)
-            benchmark.bare_steps(rig.bare, num_steps)
+            bare_steps(rig.bare, num_steps)
     finally:
         rig.close()
     pipeline = distributed.unwrap_model(rig.pipeline.model).state_dict()
@@ -77,6 +66,42 @@ def test_bare_loop_ends_with_the_pipelines_parameters(tmp_path, accum: int) -> N
     assert not different, f"bare loop and pipeline differ in {different}"
 
 
+def test_pipeline_saves_through_the_saver_it_is_given_and_synchronously_without(
+    tmp_path,
+) -> None:
+    """The async A/B's seam (CheckpointManager.use_saver): a save handed to a saver reaches it
+    and writes nothing itself; the next save without one is written by the Trainer's manager."""
+    cfg = parse_args(
+        [
+            "--data.dataset=synthetic",
+            "--data.synthetic_train_size=128",
+            "--data.batch_size=32",
+            "--model.widths=4,8",
+            "--log.tensorboard=false",
+        ]
+    )
+    info = DistInfo(0, 0, 1, CPU)
+    splits = data.build_datasets(cfg.data, cfg.train.seed, info)
+    rig = build_rig(cfg, info, QUICK, (splits.mean, splits.std), tmp_path)
+    handed: list[tuple[int, float | None]] = []
+
+    class Recorder:  # a ProcessSaver's save, recorded instead of written
+        def save(self, state: dict, directory, step: int, keep: int, accuracy) -> None:
+            assert state["step"] == step
+            handed.append((step, accuracy))
+
+    directory = storage.checkpoint_dir(tmp_path)
+    try:
+        rig.pipeline.save(3, 0.5, Recorder())  # type: ignore[arg-type]
+        assert handed == [(3, 0.5)]
+        assert not (directory / "step_3.pt").exists()
+        rig.pipeline.save(4, 0.6, None)
+        assert (directory / "step_4.pt").is_file()
+        assert handed == [(3, 0.5)]
+    finally:
+        rig.close()
+
+
 def test_time_to_accuracy_takes_the_first_evaluation_at_each_target(tmp_path) -> None:
     rows = [
         {"kind": "train", "step": 50, "time_s": 5.0},
@@ -85,7 +110,7 @@ def test_time_to_accuracy_takes_the_first_evaluation_at_each_target(tmp_path) ->
         {"kind": "eval", "step": 300, "epoch": 2, "accuracy": 0.901, "time_s": 33.0},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    found = benchmark.time_to_accuracy(tmp_path)
+    found = time_to_accuracy(tmp_path)
     assert found["90%"] == {"step": 200, "epoch": 1, "accuracy": 0.905, "time_s": 22.0}
     assert found["92%"] is None
 
@@ -99,7 +124,8 @@ def test_quick_run_reports_every_figure(tmp_path) -> None:
     (finished / "metrics.jsonl").write_text(json.dumps(eval_row) + "\n")
     command = [
         sys.executable,
-        "scripts/benchmark.py",
+        "-m",
+        "benchmarks",
         "--quick",
         "--out",
         str(out),
@@ -120,7 +146,7 @@ def test_quick_run_reports_every_figure(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
-    for key in benchmark.TARGETS:
+    for key in TARGETS:
         value = report[key]
         assert key in result.stdout
         if value is None:
@@ -143,7 +169,7 @@ def test_quick_run_reports_every_figure(tmp_path) -> None:
 def test_imagefolder_benchmark_quick_run_reports_both_sides(tmp_path) -> None:
     out = tmp_path / "imagefolder.json"
     proc = subprocess.run(
-        [sys.executable, "scripts/benchmark_imagefolder.py", "--quick", "--sizes=32"]
+        [sys.executable, "-m", "benchmarks.imagefolder", "--quick", "--sizes=32"]
         + [f"--out={out}"],
         cwd=REPO,
         capture_output=True,
@@ -168,7 +194,7 @@ def test_strategies_report_what_each_rank_holds(tmp_path) -> None:
     parameters with 100 classes; AdamW keeps two fp32 moments of each): ddp holds everything,
     zero a share of the optimizer state, fsdp a share of everything."""
     out = tmp_path / "strategies.json"
-    command = [sys.executable, "scripts/benchmark.py", "--quick", "--strategies=resnet18"]
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--strategies=resnet18"]
     command += ["--only-strategies", "--out", str(out), f"--run.dir={tmp_path / 'run'}"]
     result = subprocess.run(
         command,
