@@ -501,7 +501,7 @@ class DistConfig(_Section):
     state; zero: ddp with the optimizer state sharded over the ranks;
     fsdp: parameters, gradients and optimizer state sharded (FSDP2
     fully_shard); hybrid: fsdp within a node, replicated across nodes
-    (README "Models that outgrow one device")"""
+    (docs/strategies.md)"""
     fsdp_units: str = "auto"
     """fsdp/hybrid: the modules sharded as units, each gathering its
     parameters for its own forward and backward: auto = every instance of
@@ -565,7 +565,7 @@ class LogConfig(_Section):
     nvtx: bool = False
     """NVTX ranges for Nsight Systems: data wait, forward/backward,
     optimizer, each gradient all-reduce bucket, evaluation and checkpoint
-    (README "Profiling with Nsight Systems")"""
+    (docs/observability.md, "NVTX and Nsight Systems")"""
     resources: bool = True
     """CPU use of each training process and of its loader workers, GPU
     utilisation (with nvidia-ml-py) and memory in train rows (min, median

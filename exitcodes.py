@@ -28,8 +28,8 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_FAILED = 1  # a crash: torchrun turns every worker failure into its own 1
 EXIT_BAD_INPUT = 2  # a config, file, dataset or run dir this run cannot use: fix the input
-EXIT_DIVERGED = 3  # run.max_nonfinite_steps consecutive non-finite steps
-EXIT_STALLED = 4  # run.stall_timeout_s without a step: the watchdog aborted (retryable)
+EXIT_DIVERGED = 3  # train.max_nonfinite_steps consecutive non-finite steps
+EXIT_STALLED = 4  # dist.timeout_s without a step: the watchdog aborted (retryable)
 EXIT_RENDEZVOUS = 69  # EX_UNAVAILABLE: the nodes did not meet (a node late, a port taken)
 EXIT_IO = 74  # EX_IOERR: transient I/O mid-run (EIO, ESTALE, ETIMEDOUT on NFS/Lustre)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a stop signal; the preemption checkpoint is written

@@ -2,7 +2,7 @@
 non-finite step, stop for preemption) and the stall watchdog. (The sample ledger and the
 random generators' states are checkpoint parts: ckpt/parts.py.)
 
-Exit codes of train.py (also in the README):
+Exit codes of train.py (also in docs/fault-tolerance.md, "Exit codes"):
     0   finished
     1   unexpected error (a traceback says where)
     2   bad input: config, data path or checkpoint (retrying cannot help)

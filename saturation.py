@@ -36,7 +36,7 @@ FIELDS = (
     "gpu_mem_peak_gb",  # the most allocated at once since the previous sample
 )
 
-# Advice thresholds (README "Saturation").
+# Advice thresholds (docs/observability.md, "Saturation").
 DATA_WAIT_HIGH = 0.10  # of the step: the loader holds the step back
 WORKER_BUSY = 0.80  # of a core per worker: the workers are CPU-bound
 GPU_IDLE_PCT = 60.0  # GPU utilisation under this with the loader keeping up: a small step

@@ -63,7 +63,7 @@ def wide_mlp(
     """A model whose memory is its training state, not its activations: `depth` residual MLP
     blocks on an 8x8 pooling of the image. The default holds 50.4 M parameters (202 MB in
     fp32; with AdamW about 0.8 GB of training state per rank under ddp, half of it per rank
-    under fsdp at 2 ranks). README "Models that outgrow one device" trains it."""
+    under fsdp at 2 ranks). docs/strategies.md trains it."""
     return nn.Sequential(
         nn.AdaptiveAvgPool2d(8),
         nn.Flatten(),

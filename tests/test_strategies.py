@@ -1,8 +1,8 @@
 """dist.strategy: ddp, zero, fsdp and hybrid train the same model.
 
 Each strategy at 2 ranks is compared with an independent reference, one process on the full
-global batch (the sampler gives a 1-rank run the same global batches, README "Exact resume"),
-within a stated tolerance: the strategies reduce gradients in other orders (all-reduce,
+global batch (the sampler gives a 1-rank run the same global batches: docs/fault-tolerance.md,
+"Resuming"), within a stated tolerance: the strategies reduce gradients in other orders (all-reduce,
 reduce-scatter), so they agree to float rounding, not bit for bit. Resuming is compared bit
 for bit with the uninterrupted run of the same strategy.
 """
