@@ -102,7 +102,7 @@ class Trainer:
         self.guard = resilience.StepGuard(
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
         )
-        self.instruments = self.build_instruments(lease, stall_timeout_s)
+        self.instruments = self.build_instruments(lease, stall_timeout_s or cfg.dist.timeout_s)
         launch.warn_if_oversubscribed(cfg, info, self.auto)
         self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
         # The checkpoint resumed from was written on preemption at the end of an epoch (or of
@@ -179,9 +179,7 @@ class Trainer:
             manager.register("ema", self.ema, ("train.ema_decay", self.ema.restart))
         return manager
 
-    def build_instruments(
-        self, lease: rundir.Lease | None, stall_timeout_s: float | None
-    ) -> Instruments:
+    def build_instruments(self, lease: rundir.Lease | None, stall_timeout_s: float) -> Instruments:
         """Meters, clocks, watchdog and the metrics writer."""
         # Rank 0 writes metrics only while it holds the run dir (a lost lease stops the run at
         # the next step; until then its rows are dropped, never written over the new holder's).
@@ -190,7 +188,7 @@ class Trainer:
             self.paths.root, self.info.is_main, self.cfg.log.tensorboard, holds_run_dir
         )
         return Instruments(
-            self.cfg,
+            self.cfg.log,
             self.info,
             self.parallel.comm_timer,
             self.layout,
@@ -198,6 +196,8 @@ class Trainer:
             writer,
             self.position,
             self.current_lr,
+            self.paths,
+            self.cfg.data.num_workers,
             stall_timeout_s,
             worker_pids=lambda: data.worker_pids(self.train_loader),
         )
