@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import distributed
 import resilience
 import saturation
 from ckpt import parts
-from config import Config
+from config import LogConfig
 from distributed import AllReduceTimer, DistInfo
 from engine import EvalResult, StepStats
 from metrics import (
@@ -93,7 +94,7 @@ class Instruments:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: LogConfig,
         info: DistInfo,
         comm_timer: AllReduceTimer | None,
         layout: Layout,
@@ -101,18 +102,23 @@ class Instruments:
         writer: MetricsWriter,
         position: Any,  # parts.Position: its step and epoch label every row
         lr: Callable[[], float],
-        stall_timeout_s: float | None = None,
+        paths: RunPaths,
+        num_workers: int,
+        stall_timeout_s: float,
         worker_pids: Callable[[], list[int]] = list,
     ) -> None:
+        """`num_workers`: data.num_workers, for the saturation advice; `stall_timeout_s`: how
+        long a rank may go without a heartbeat (dist.timeout_s in training)."""
         self.cfg, self.info, self.writer, self.position, self.lr = cfg, info, writer, position, lr
-        self.usage = saturation.Usage(info.device, worker_pids) if cfg.log.resources else None
+        self.paths, self.num_workers = paths, num_workers
+        self.usage = saturation.Usage(info.device, worker_pids) if cfg.resources else None
         self.advisor = saturation.Advisor()
-        self.nvtx = NvtxRange(cfg.log.nvtx)
+        self.nvtx = NvtxRange(cfg.nvtx)
         self.meter = TrainMeter(info.device, info.world_size)
         self.clock = PhaseClock(info.device)
-        every = cfg.log.straggler_every_steps if info.world_size > 1 else 0
+        every = cfg.straggler_every_steps if info.world_size > 1 else 0
         self.stragglers = StragglerReport(info, every)
-        self.watchdog = resilience.Watchdog(info, stall_timeout_s or cfg.dist.timeout_s)
+        self.watchdog = resilience.Watchdog(info, stall_timeout_s)
         self.allreduce_timer = comm_timer  # the strategy's (parallel.Parallel.comm_timer)
         self.layout, self.settings = layout, settings  # the resolved autos: compile, progress
         self.started = time.perf_counter()  # for time_s; `open` moves it back after a resume
@@ -144,7 +150,7 @@ class Instruments:
         rank's last heartbeat in the log (which peer was behind)."""
         self.total_steps = total_steps
         self.watchdog.start()
-        self.profiler = _profiler(self.cfg, self.info, self.position.step)
+        self.profiler = _profiler(self.cfg, self.paths.profile, self.info, self.position.step)
         try:
             bar = _progress_bar(self.settings.progress, self.info, total_steps, self.position.step)
             with bar as self.bar:
@@ -172,7 +178,7 @@ class Instruments:
     @contextlib.contextmanager
     def nvtx_range(self, name: str) -> Iterator[None]:
         """An NVTX range around the block (log.nvtx)."""
-        outer = NvtxRange(self.cfg.log.nvtx)
+        outer = NvtxRange(self.cfg.nvtx)
         outer.begin(name)
         try:
             yield
@@ -202,7 +208,7 @@ class Instruments:
         if self.profiler is not None:
             self.profiler.step()
         done = self.position.step
-        if done % self.cfg.log.every_steps == 0 or done == self.total_steps:
+        if done % self.cfg.every_steps == 0 or done == self.total_steps:
             self.log_train()
         report = self.stragglers.maybe_report(done)  # a collective every N steps
         if report is not None:
@@ -217,8 +223,7 @@ class Instruments:
             figures |= saturation.reduce(samples)
             if self.info.is_main:
                 on_gpu = self.info.device.type == "cuda"
-                workers = self.cfg.data.num_workers
-                advice = saturation.advice(figures, workers, on_gpu, self.settings.compile)
+                advice = saturation.advice(figures, self.num_workers, on_gpu, self.settings.compile)
                 self.advisor.consider(advice)
         if self.flops_per_sample:
             per_rank = self.flops_per_sample * figures["samples_per_s"] / self.info.world_size
@@ -317,12 +322,13 @@ class Instruments:
             )
 
 
-def _profiler(cfg: Config, info: DistInfo, first_step: int) -> Any:
+def _profiler(cfg: LogConfig, trace_dir: Path, info: DistInfo, first_step: int) -> Any:
     """torch.profiler recording optimizer steps [START, END) of log.profile_steps (those
-    still ahead of `first_step`), written for TensorBoard's profiler tab; None when off."""
-    if not cfg.log.profile_steps:
+    still ahead of `first_step`), written under `trace_dir` for TensorBoard's profiler tab;
+    None when off."""
+    if not cfg.profile_steps:
         return None
-    start, end = cfg.log.profile_steps
+    start, end = cfg.profile_steps
     start = max(start, first_step)
     if start >= end:
         return None
@@ -333,7 +339,6 @@ def _profiler(cfg: Config, info: DistInfo, first_step: int) -> Any:
     activities = [ProfilerActivity.CPU]
     if info.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    trace_dir = RunPaths(cfg.run.dir).profile
 
     def on_trace_ready(prof: Any) -> None:
         tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{info.rank}")(prof)

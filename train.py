@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +44,7 @@ import parallel
 import resilience
 import sharding
 from ckpt import parts, rundir
-from ckpt.manager import CheckpointManager, Resumed
+from ckpt.manager import CheckpointManager, Resumed, RunRecord
 from cli import parse_args
 from config import (
     IGNORED,
@@ -77,12 +76,12 @@ class Trainer:
         stall_timeout_s: float | None = None,
     ) -> None:
         self.cfg, self.info, self.preemption = cfg, info, preemption
-        self.run_dir = Path(cfg.run.dir)
+        self.paths = RunPaths(cfg.run.dir)  # every file of the run dir
         build.configure_cuda(cfg, info)
         parts.seed_everything(cfg.train.seed + info.rank)  # distinct random streams per rank
         splits = data.build_datasets(cfg.data, cfg.train.seed, info)
         data_fingerprint = data.fingerprint(splits)
-        launch.check_job(cfg, info, data_fingerprint, self.run_dir)
+        launch.check_job(cfg, info, data_fingerprint, self.paths.root)
         self.layout = parallel.Layout.of(cfg.dist, info)  # whether it shards, asked below
         numel, jpeg_share = data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
         self.auto = auto.resolve(cfg, info, numel, jpeg_share, self.layout)
@@ -104,7 +103,7 @@ class Trainer:
         self.guard = resilience.StepGuard(
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
         )
-        self.instruments = self.build_instruments(lease, stall_timeout_s)
+        self.instruments = self.build_instruments(lease, stall_timeout_s or cfg.dist.timeout_s)
         launch.warn_if_oversubscribed(cfg, info, self.auto)
         self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
         # The checkpoint resumed from was written on preemption at the end of an epoch (or of
@@ -161,10 +160,11 @@ class Trainer:
         self, lease: rundir.Lease | None, data_fingerprint: str, classes: list[str] | None
     ) -> CheckpointManager:
         """The sample ledger, and the manager with every part of the run registered."""
-        cfg, info = self.cfg, self.info
+        cfg, info, stops = self.cfg, self.info, self.preemption.signals
         self.ledger = parts.SampleLedger()
+        record = RunRecord.of(cfg, info.world_size, self.num_train, data_fingerprint, classes)
         manager = CheckpointManager(
-            cfg, info, self.num_train, data_fingerprint, self.auto.ckpt_format, lease, classes
+            cfg.ckpt, self.paths, record, info, self.auto.ckpt_format, lease, stops
         )
         for name, part in (  # resuming loads them in this order: the position first
             ("position", self.position),
@@ -180,18 +180,16 @@ class Trainer:
             manager.register("ema", self.ema, ("train.ema_decay", self.ema.restart))
         return manager
 
-    def build_instruments(
-        self, lease: rundir.Lease | None, stall_timeout_s: float | None
-    ) -> Instruments:
+    def build_instruments(self, lease: rundir.Lease | None, stall_timeout_s: float) -> Instruments:
         """Meters, clocks, watchdog and the metrics writer."""
         # Rank 0 writes metrics only while it holds the run dir (a lost lease stops the run at
         # the next step; until then its rows are dropped, never written over the new holder's).
         holds_run_dir = lease.valid if lease is not None else None
         writer = MetricsWriter(
-            self.run_dir, self.info.is_main, self.cfg.log.tensorboard, holds_run_dir
+            self.paths.root, self.info.is_main, self.cfg.log.tensorboard, holds_run_dir
         )
         return Instruments(
-            self.cfg,
+            self.cfg.log,
             self.info,
             self.parallel.comm_timer,
             self.layout,
@@ -199,6 +197,8 @@ class Trainer:
             writer,
             self.position,
             self.current_lr,
+            self.paths,
+            self.cfg.data.num_workers,
             stall_timeout_s,
             worker_pids=lambda: data.worker_pids(self.train_loader),
         )
@@ -232,7 +232,7 @@ class Trainer:
                 self.save(accuracy=result.accuracy)
             self.checkpoints.wait()
         if self.info.is_main:  # finished: a later attempt (a requeue, say) starts counting anew
-            rundir.reset_attempts(self.run_dir, self.position.step)
+            rundir.reset_attempts(self.paths.root, self.position.step)
         return self.summary(result)
 
     def train_step(self) -> resilience.Verdict:
@@ -340,9 +340,9 @@ class Trainer:
         launch.check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
         distributed.run_on_main(
             self.info,
-            f"writing {RunPaths(self.run_dir).config}",
+            f"writing {self.paths.config}",
             lambda: launch.write_settled(
-                self.cfg, self.run_dir, self.position.step, self.checkpoints.lease
+                self.cfg, self.paths.root, self.position.step, self.checkpoints.lease
             ),
         )
 
@@ -523,13 +523,13 @@ class Trainer:
         step = self.position.step
         lease = self.checkpoints.lease  # a lost lease stops here too: then write nothing
         if self.info.is_main and (lease is None or lease.valid()):  # a stop, not a failure,
-            rundir.uncount_attempt(self.run_dir)  # even if the save below is killed
+            rundir.uncount_attempt(self.paths.root)  # even if the save below is killed
         at_segment_end = self.steps_left_in_epoch() == 0 or step == self.total_steps
         if at_segment_end:
             distributed.average_buffers(self.model)
         self.save(pending_eval=at_segment_end, wait=True)
         if self.info.is_main:  # progress: restarts after this one start counting anew
-            rundir.reset_attempts(self.run_dir, step)
+            rundir.reset_attempts(self.paths.root, step)
         # The launcher (scripts/supervise.py) exits 75 only after this
         exitcodes.report_to_launcher(
             exitcodes.PREEMPT_MARKER, f"checkpoint of step {step} after {signal_name}"

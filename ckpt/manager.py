@@ -16,10 +16,8 @@ rank's): the manager calls it on every rank, and only rank 0 writes.
 
 from __future__ import annotations
 
-import functools
 import logging
-import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,9 @@ from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkabl
 import distributed
 from ckpt import rundir, sharded, single, storage, writer
 from ckpt.atomic import CheckpointError
-from config import Config, ConfigError, global_batch_size
+from config import CkptConfig, Config, ConfigError, global_batch_size
 from distributed import DistInfo
+from runpaths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +58,40 @@ NON_MATH_KEYS = {
 
 
 @dataclass(frozen=True)
+class RunRecord:
+    """What a checkpoint records about the run that writes it, and what resuming checks
+    against this run. Made once per run by the caller (`RunRecord.of`), which holds the whole
+    Config and the data; the manager itself reads only ckpt.*."""
+
+    config: dict[str, dict[str, Any]]  # cfg.to_dict(), saved as is: never modified
+    config_hash: str  # cfg.fingerprint()
+    global_batch_size: int  # samples per optimizer step over all ranks and micro-steps
+    optim_name: str  # optim.name: another optimizer's state does not carry over
+    num_train: int  # training samples in an epoch: a position beyond it is another dataset's
+    data_fingerprint: str  # data.fingerprint of the training and evaluation data
+    classes: list[str] | None = None  # label -> class name, where the data names them
+
+    @classmethod
+    def of(
+        cls,
+        cfg: Config,
+        world_size: int,
+        num_train: int,
+        data_fingerprint: str,
+        classes: Sequence[str] | None = None,
+    ) -> RunRecord:
+        return cls(
+            config=cfg.to_dict(),
+            config_hash=cfg.fingerprint(),
+            global_batch_size=global_batch_size(cfg, world_size),
+            optim_name=cfg.optim.name,
+            num_train=num_train,
+            data_fingerprint=data_fingerprint,
+            classes=None if classes is None else list(classes),  # as a checkpoint holds them
+        )
+
+
+@dataclass(frozen=True)
 class Resumed:
     """The checkpoint a run resumed from: its path and what it says beside the parts."""
 
@@ -75,31 +108,30 @@ class CheckpointManager:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: CkptConfig,
+        paths: RunPaths,
+        record: RunRecord,
         info: DistInfo,
-        num_train: int,
-        data_fingerprint: str,
         ckpt_format: str,
         lease: rundir.Lease | None = None,
-        classes: tuple[str, ...] | None = None,
+        stop_signals: Sequence[int] = (),
     ) -> None:
-        self.cfg, self.info = cfg, info
-        self.num_train, self.data_fingerprint = num_train, data_fingerprint
-        self.classes = list(classes) if classes is not None else None  # label -> class name
+        """`ckpt_format`: ckpt.format as auto.resolve resolved it; `stop_signals`: the run's
+        preemption signals (run.preempt_signals), which the writer processes ignore."""
+        self.cfg, self.paths, self.record, self.info = cfg, paths, record, info
         self.lease = lease  # rank 0's hold on the run dir: checked before every write
-        self.directory = storage.checkpoint_dir(cfg.run.dir)
+        self.directory = paths.checkpoints
         # Sharded: every rank writes its own piece of each tensor (sharded.save_sharded).
-        self.sharded = ckpt_format == "sharded"  # ckpt.format as auto.resolve resolved it
+        self.sharded = ckpt_format == "sharded"
         # ckpt.async_save: the writer process of each rank that writes (rank 0; every rank
         # for sharded checkpoints), started now to be ready for the first save.
         writes = info.is_main or self.sharded
         self.saver: writer.ProcessSaver | None = None
-        if cfg.ckpt.async_save:  # the same on every rank: the agreement below is collective
-            stops = [name for name in cfg.run.preempt_signals if name.startswith("SIG")]
+        if cfg.async_save:  # the same on every rank: the agreement below is collective
             error: Exception | None = None
             try:
                 if writes:
-                    self.saver = writer.ProcessSaver(tuple(getattr(signal, n) for n in stops))
+                    self.saver = writer.ProcessSaver(tuple(stop_signals))
             except Exception as err:  # on this rank only: every rank must learn of it
                 error = err
             distributed.raise_if_any_failed(info, error, "starting the checkpoint writer")
@@ -130,7 +162,7 @@ class CheckpointManager:
 
     def due(self, step: int) -> bool:
         """Whether `ckpt.every_steps` asks for a checkpoint after `step` steps."""
-        every = self.cfg.ckpt.every_steps
+        every = self.cfg.every_steps
         return bool(every) and step % every == 0
 
     def use_saver(self, saver: writer.ProcessSaver | None) -> None:
@@ -166,9 +198,9 @@ class CheckpointManager:
                 self.lease.check()  # another job took the run dir over: write nothing
             state = {**states, **self._meta(step, accuracy, pending_eval)}
             if self.saver is None:
-                single.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
+                single.save(state, self.directory, step, self.cfg.keep, accuracy)
                 return
-            self.saver.save(state, self.directory, step, self.cfg.ckpt.keep, accuracy)
+            self.saver.save(state, self.directory, step, self.cfg.keep, accuracy)
             if wait:
                 self.saver.wait()
 
@@ -193,7 +225,7 @@ class CheckpointManager:
                 state,
                 self.directory,
                 step,
-                self.cfg.ckpt.keep,
+                self.cfg.keep,
                 accuracy,
                 rank,
                 gather,
@@ -243,11 +275,11 @@ class CheckpointManager:
             error = err
         rank, gather, agree, check = self._collectives()
         sharded.finish_sharded(
-            plan, written, error, self.cfg.ckpt.keep, accuracy, rank, gather, agree, check
+            plan, written, error, self.cfg.keep, accuracy, rank, gather, agree, check
         )
 
     def _meta(self, step: int, accuracy: float | None, pending_eval: bool) -> dict[str, Any]:
-        config_dict, config_hash = _config_record(self.cfg)
+        record = self.record
         return {
             "format": FORMAT,
             "step": step,
@@ -255,11 +287,11 @@ class CheckpointManager:
             "pending_eval": pending_eval,
             "total_steps": self.total_steps,
             "world_size": self.info.world_size,
-            "global_batch_size": global_batch_size(self.cfg, self.info.world_size),
-            "data_fingerprint": self.data_fingerprint,
-            "classes": self.classes,
-            "config": config_dict,
-            "config_hash": config_hash,
+            "global_batch_size": record.global_batch_size,
+            "data_fingerprint": record.data_fingerprint,
+            "classes": record.classes,
+            "config": record.config,
+            "config_hash": record.config_hash,
             "torch_version": str(torch.__version__),  # a plain str: weights_only loads it
         }
 
@@ -320,20 +352,20 @@ class CheckpointManager:
         return Resumed(path, meta)
 
     def _load_chosen(self) -> tuple[Path, dict[str, Any]] | None:
-        cfg, info = self.cfg, self.info
+        cfg, info, run_dir = self.cfg, self.info, self.paths.root
         chosen: list[tuple[Path, dict[str, Any]] | None] = []
 
         def choose() -> None:
-            resume = cfg.ckpt.resume
+            resume = cfg.resume
             if resume not in ("auto", "never") and rundir.continues_from_own_checkpoints(
-                Path(cfg.run.dir), resume
+                run_dir, resume
             ):
                 log.info(
                     "ckpt.resume=%s started this run: continuing from its own checkpoints", resume
                 )
                 resume = "auto"  # a restart repeating the command: PATH only initialised the run
-            found = storage.load_for_resume(resume, cfg.run.dir, info.device)
-            storage.refuse_later_checkpoints(cfg.run.dir, found[1]["step"] if found else 0, resume)
+            found = storage.load_for_resume(resume, run_dir, info.device)
+            storage.refuse_later_checkpoints(run_dir, found[1]["step"] if found else 0, resume)
             chosen.append(found)
 
         distributed.run_on_main(info, "choosing the checkpoint to resume from", choose)
@@ -358,7 +390,7 @@ class CheckpointManager:
         A different world size is fine, also mid-epoch: the position is a count of samples.
         Changes of the global batch, the schedule, the model or the data are reported.
         """
-        cfg = self.cfg
+        optim_name = self.record.optim_name
         required = [key for key in self.parts if key not in self.optional]
         missing = [key for key in (*required, *_REQUIRED_META) if key not in state]
         if missing:
@@ -366,32 +398,33 @@ class CheckpointManager:
                 f"checkpoint {path} lacks {', '.join(missing)}: not written by this version of "
                 "the pipeline"
             )
-        old_name = state["config"].get("optim", {}).get("name", cfg.optim.name)
-        if old_name != cfg.optim.name:
+        old_name = state["config"].get("optim", {}).get("name", optim_name)
+        if old_name != optim_name:
             raise ConfigError(
-                f"optim.name={cfg.optim.name!r} cannot resume checkpoint {path}, written with "
+                f"optim.name={optim_name!r} cannot resume checkpoint {path}, written with "
                 f"optim.name={old_name!r}: its optimizer state (momentum buffers or Adam "
                 f"moments) does not carry over. Resume with --optim.name={old_name}, or start a "
                 "new run.dir"
             )
         saved_classes = state.get("classes")
-        if saved_classes is not None and self.classes is not None and saved_classes != self.classes:
-            gone = sorted(set(saved_classes) - set(self.classes))
-            new = sorted(set(self.classes) - set(saved_classes))
+        classes = self.record.classes
+        if saved_classes is not None and classes is not None and saved_classes != classes:
+            gone = sorted(set(saved_classes) - set(classes))
+            new = sorted(set(classes) - set(saved_classes))
             raise ConfigError(
                 f"checkpoint {path} was trained on the classes {_listed(saved_classes)}; this "
-                f"run's data has {_listed(self.classes)}"
+                f"run's data has {_listed(classes)}"
                 + (f" (gone: {', '.join(gone)})" if gone else "")
                 + (f" (new: {', '.join(new)})" if new else "")
                 + ". A label is a class's index in that list: resume with the same class "
                 "folders, or start a new run.dir (model.weights can initialise it from this "
                 "checkpoint)"
             )
-        position = state.get("position", {})
-        if position.get("samples_in_epoch", 0) > self.num_train:
+        position, num_train = state.get("position", {}), self.record.num_train
+        if position.get("samples_in_epoch", 0) > num_train:
             raise ConfigError(
                 f"checkpoint {path} is {position['samples_in_epoch']} samples into epoch "
-                f"{position['epoch']}, but an epoch of this run has {self.num_train} samples: "
+                f"{position['epoch']}, but an epoch of this run has {num_train} samples: "
                 "the dataset or data.subset changed"
             )
         changed = self._math_changes(state)
@@ -405,8 +438,8 @@ class CheckpointManager:
     def _math_changes(self, state: dict[str, Any]) -> list[str]:
         """What differs between the checkpoint's run and this one that changes the training
         math: settings, the global batch, the data."""
-        cfg, info = self.cfg, self.info
-        old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
+        info = self.info
+        old, new = _flatten(state["config"]), _flatten(self.record.config)
         changed = [
             f"{key} {old.get(key)!r} -> {new[key]!r}"
             for key in sorted(new)
@@ -414,13 +447,14 @@ class CheckpointManager:
             and key not in NON_MATH_KEYS
             and old.get(key) != new[key]
         ]
-        this_batch = global_batch_size(cfg, info.world_size)
+        this_batch = self.record.global_batch_size
         if state["global_batch_size"] != this_batch:
             changed.append(
                 f"global batch {state['global_batch_size']} ({state['world_size']} ranks) -> "
                 f"{this_batch} ({info.world_size} ranks)"
             )
-        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
+        fingerprint = self.record.data_fingerprint
+        if state.get("data_fingerprint", fingerprint) != fingerprint:
             changed.append("the training or evaluation data")
         return changed
 
@@ -476,9 +510,3 @@ def _flatten(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for section, fields in sections.items()
         for name, value in fields.items()
     }
-
-
-@functools.cache
-def _config_record(cfg: Config) -> tuple[dict[str, Any], str]:
-    """The config as saved in checkpoints, computed once per run (saves wait for it)."""
-    return cfg.to_dict(), cfg.fingerprint()

@@ -16,10 +16,11 @@ import resilience
 import train
 from ckpt import parts, retention, single, storage
 from ckpt.atomic import CheckpointError
-from ckpt.manager import FORMAT, CheckpointManager
+from ckpt.manager import FORMAT, CheckpointManager, RunRecord
 from cli import parse_args
-from config import Config, ConfigError
+from config import CkptConfig, Config, ConfigError
 from distributed import DistInfo
+from runpaths import RunPaths
 
 CPU = torch.device("cpu")
 ONE = DistInfo(0, 0, 1, CPU)
@@ -62,9 +63,8 @@ def manager_with(
     cfg: Config, info: DistInfo = ONE, **given: Any
 ) -> tuple[CheckpointManager, parts.Position]:
     """A manager with the Trainer's parts: a real Position, Recorders for the rest."""
-    manager = CheckpointManager(
-        cfg, info, num_train=60000, data_fingerprint="abc", ckpt_format="file"
-    )
+    record = RunRecord.of(cfg, info.world_size, num_train=60000, data_fingerprint="abc")
+    manager = CheckpointManager(cfg.ckpt, RunPaths(cfg.run.dir), record, info, ckpt_format="file")
     position = parts.Position()
     for name in PARTS:
         manager.register(name, given.get(name, position if name == "position" else Recorder()))
@@ -145,6 +145,60 @@ def test_model_mismatch_names_the_checkpoint() -> None:
     manager, _ = manager_with(cfg, model=parts.ModelState(model))
     with pytest.raises(CheckpointError, match="old.pt does not fit this run's model"):
         manager.restore(Path("old.pt"), saved_state(cfg, model=other.state_dict()))
+
+
+def test_the_manager_works_from_its_config_section_and_the_record_alone(tmp_path, caplog) -> None:
+    """No Config: ckpt.* (keep=1), the run dir's paths and a record written by hand. It saves
+    the record beside the parts, resumes the newest checkpoint into fresh parts, reports what
+    the record says changed, and refuses another optimizer named by the record."""
+    config = {"optim": {"name": "sgd", "lr": 0.1}, "run": {"dir": str(tmp_path)}}
+    record = RunRecord(config, "0123abcd4567", 32, "sgd", num_train=64, data_fingerprint="d1")
+
+    def manager(record: RunRecord) -> tuple[CheckpointManager, parts.Position, Recorder]:
+        made = CheckpointManager(CkptConfig(keep=1), RunPaths(tmp_path), record, ONE, "file")
+        position, weights = parts.Position(), Recorder(torch.arange(3.0))
+        made.register("position", position)
+        made.register("model", weights)
+        return made, position, weights
+
+    first, position, _ = manager(record)
+    for step in (2, 4):
+        position.step, position.samples_in_epoch = step, 16 * step
+        first.save(step)
+    assert [step for step, _ in retention.list_checkpoints(tmp_path / "checkpoints")] == [4]
+    saved = torch.load(tmp_path / "checkpoints" / "step_4.pt", weights_only=True)
+    assert (saved["config"], saved["config_hash"]) == (config, "0123abcd4567")
+    assert (saved["global_batch_size"], saved["world_size"], saved["classes"]) == (32, 1, None)
+    assert saved["data_fingerprint"] == "d1"
+
+    changed = RunRecord(
+        {"optim": {"name": "sgd", "lr": 0.2}}, "x", 64, "sgd", num_train=64, data_fingerprint="d2"
+    )
+    second, position, weights = manager(changed)
+    with caplog.at_level("WARNING"):
+        resumed = second.resume()
+    assert resumed is not None and resumed.path == tmp_path / "checkpoints" / "step_4.pt"
+    assert (position.step, position.samples_in_epoch) == (4, 64)
+    assert torch.equal(weights.loaded["value"], torch.arange(3.0))
+    assert "optim.lr 0.1 -> 0.2; global batch 32 (1 ranks) -> 64 (1 ranks); the training or " in (
+        caplog.text
+    )
+    adamw = RunRecord({}, "x", 32, "adamw", num_train=64, data_fingerprint="d1")
+    with pytest.raises(ConfigError, match="optim.name='adamw' cannot resume checkpoint"):
+        manager(adamw)[0].resume()
+
+
+def test_a_checkpoint_records_the_whole_config_of_the_run(tmp_path) -> None:
+    """What the Trainer hands its manager: the config as cfg.to_dict() and cfg.fingerprint()
+    give it, and the global batch (16 per rank x 1 rank x 2 micro-steps, by hand)."""
+    args = ["--train.epochs=1", "--train.grad_accum_steps=2", "--optim.lr=0.3"]
+    cfg = parse_args([f"--run.dir={tmp_path}", *TINY, *args])
+    handler = resilience.PreemptionHandler(cfg.run.preempt_signals)
+    with train.Trainer(cfg, ONE, handler) as trainer:
+        trainer.fit()
+    saved = torch.load(tmp_path / "checkpoints" / "step_2.pt", weights_only=True)
+    assert saved["config"] == cfg.to_dict() and saved["config_hash"] == cfg.fingerprint()
+    assert (saved["global_batch_size"], saved["world_size"]) == (32, 1)
 
 
 def test_a_part_is_registered_once_and_must_be_stateful() -> None:
@@ -269,7 +323,8 @@ def test_resuming_with_other_class_folders_is_refused_naming_them() -> None:
     the data, so the checkpoint's class list must match."""
     cfg = Config()
     classes = ("cat", "dog", "fox")
-    manager = CheckpointManager(cfg, ONE, 60000, "abc", "file", classes=classes)
+    record = RunRecord.of(cfg, 1, 60000, "abc", classes)
+    manager = CheckpointManager(cfg.ckpt, RunPaths(cfg.run.dir), record, ONE, "file")
     manager.register("position", parts.Position())
     assert manager._meta(3, None, False)["classes"] == list(classes)
     manager.restore(Path("same.pt"), saved_state(cfg, classes=["cat", "dog", "fox"]))

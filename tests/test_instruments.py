@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import auto
+from ckpt import parts
+from config import LogConfig
+from distributed import DistInfo
+from engine import StepStats
+from instruments import Instruments
+from metrics import MetricsWriter
+from parallel import Layout
+from runpaths import RunPaths
+
+CPU = torch.device("cpu")
+ONE = DistInfo(0, 0, 1, CPU)
+
+
+def test_instruments_work_from_the_log_section_and_the_facts_they_are_given(tmp_path) -> None:
+    """No Config: log.* (a row every 2 steps, a profile of steps 1-2), the run dir's paths,
+    the resolved autos and the stall timeout. Two steps of 8 samples (loss 0.5 and 1.5 per
+    sample, 4 and 6 correct) give one row averaging them, and a trace under the profile dir."""
+    cfg = LogConfig(every_steps=2, profile_steps=(1, 3), tensorboard=False)
+    paths, position = RunPaths(tmp_path), parts.Position()
+    settings = auto.Auto("none", None, False, False, "foreach", "plain", "none", False, "file")
+    writer = MetricsWriter(tmp_path, True, cfg.tensorboard)
+    layout = Layout("ddp", shards=False, world_size=1)
+    instruments = Instruments(
+        cfg, ONE, None, layout, settings, writer, position, lambda: 0.25, paths, 0, 600.0
+    )
+    assert instruments.watchdog.timeout_s == 600.0
+    instruments.open(resume_step=0, pending_eval=False)
+    with instruments.running(total_steps=2):
+        for loss, correct in ((0.5, 4), (1.5, 6)):
+            with instruments.step() as timer:
+                timer.loaded()
+                eight, norm = torch.tensor(8), torch.tensor(1.0)
+                stats = StepStats(torch.tensor(8 * loss), torch.tensor(correct), 8, norm, eight)
+                timer.agreed(stats, skipped=False)
+                position.step += 1
+    instruments.close()
+    rows = [json.loads(line) for line in paths.metrics.read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["loss"], r["accuracy"], r["lr"]) for r in rows] == [
+        ("train", 2, 1.0, 10 / 16, 0.25)
+    ]
+    traces = list(Path(paths.profile).glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1
