@@ -14,7 +14,6 @@ import os
 import torch
 from torch import nn
 
-import auto
 import data
 import model as models
 import parallel
@@ -52,17 +51,13 @@ def build_model(
     cfg: Config,
     splits: data.DataSplits,
     info: DistInfo,
-    channels_last: bool | None = None,
-    layout: parallel.Layout | None = None,
+    channels_last: bool,
+    layout: parallel.Layout,
 ) -> nn.Module:
     """The model (model.name or model.factory) on this rank's device (under fsdp and hybrid:
     in host memory, for parallelize to shard onto the device), the same initial
-    weights on every rank; in channels_last memory format as model.channels_last resolves
-    (auto.channels_last). `layout`: the run's (parallel.Layout.of when not given)."""
-    if channels_last is None:
-        channels_last = auto.channels_last(cfg.model.channels_last, info.device)
-    if layout is None:
-        layout = parallel.Layout.of(cfg.dist, info)
+    weights on every rank; in channels_last memory format as model.channels_last resolved
+    (auto.channels_last, in the run's auto.Auto record). `layout`: the run's parallel.Layout."""
     # Under fsdp and hybrid the ranks but rank 0 build on the meta device (shapes, no memory,
     # no initialisation): parallelize gives them their shards of rank 0's weights, so only
     # rank 0 ever holds the whole model.

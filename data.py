@@ -15,7 +15,6 @@ from dataclasses import replace
 import torch
 from torch.utils.data import DataLoader, Subset
 
-import auto
 import distributed
 from config import ConfigError, DataConfig
 from distributed import DistInfo
@@ -163,12 +162,13 @@ def build_train_loader(
     cfg: DataConfig,
     info: DistInfo,
     seed: int,
-    loader: str | None = None,
+    loader: str,
     decode: str = "workers",
 ) -> DataLoader | DeviceLoader | DecodingLoader:
-    """The training loader: `DeviceLoader` or a DataLoader, as `loader` (device or dataloader)
-    says; by default as data.loader resolves here (auto.loader). An image folder's DataLoader
-    decodes in its workers, or with `decode="device"` (auto.decode) in a `DecodingLoader`."""
+    """The training loader: `DeviceLoader` or a DataLoader, as `loader` says (device or
+    dataloader: data.loader as auto.loader resolved it, in the run's auto.Auto record). An image
+    folder's DataLoader decodes in its workers, or with `decode="device"` (auto.decode) in a
+    `DecodingLoader`."""
     dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
     sampler = EpochSampler(dataset, info, seed)
     if len(sampler) < cfg.batch_size:
@@ -177,8 +177,6 @@ def build_train_loader(
             f"{info.world_size} ranks gets {len(sampler)} of the {len(dataset)} training "
             "samples; lower data.batch_size (or use fewer ranks)"
         )
-    if loader is None:
-        loader = auto.loader(cfg.loader, cfg.source, in_memory_numel(splits.train), info.device)
     if loader == "device":
         base = in_memory(splits.train)
         assert base is not None, "auto.loader chose the device path for a dataset read from files"

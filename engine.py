@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-import auto
 import distributed
 import parallel
 import sharding
@@ -42,19 +41,18 @@ def optimizer_kernels(impl: str) -> dict[str, bool]:
 
 
 def optimizer_spec(
-    model: nn.Module, cfg: OptimConfig, impl: str | None = None
+    model: nn.Module, cfg: OptimConfig, impl: str
 ) -> tuple[type[torch.optim.Optimizer], list[dict[str, Any]], dict[str, Any]]:
     """(class, param groups, settings) of the optimizer: SGD or AdamW; weight decay on
-    conv/linear weights only, not on norm scales or biases. `impl` is optim.impl as already
-    resolved (the Trainer's auto.Auto); else resolved here."""
+    conv/linear weights only, not on norm scales or biases. `impl` is optim.impl as resolved
+    (auto.optimizer_impl: the run's auto.Auto record)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    device = next(model.parameters()).device
-    kernels = optimizer_kernels(impl or auto.optimizer_impl(cfg.impl, device))
+    kernels = optimizer_kernels(impl)
     if cfg.name == "sgd":
         momentum = {"momentum": cfg.momentum, "nesterov": cfg.nesterov and cfg.momentum > 0}
         return torch.optim.SGD, groups, {"lr": cfg.lr, **momentum, **kernels}
@@ -62,9 +60,7 @@ def optimizer_spec(
     return torch.optim.AdamW, groups, {"lr": cfg.lr, "betas": (beta1, beta2), **kernels}
 
 
-def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, impl: str | None = None
-) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, impl: str) -> torch.optim.Optimizer:
     """The optimizer of `optimizer_spec`, every rank holding all of its state."""
     cls, groups, settings = optimizer_spec(model, cfg, impl)
     return cls(groups, **settings)

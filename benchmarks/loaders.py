@@ -37,7 +37,9 @@ def measure_loader(
     settings = auto.resolve(
         cfg, info, data.in_memory_numel(splits.train), data.jpeg_share(splits.train)
     )
-    loader = data.build_train_loader(splits, cfg.data, info, cfg.train.seed, decode=settings.decode)
+    loader = data.build_train_loader(
+        splits, cfg.data, info, cfg.train.seed, settings.loader, settings.decode
+    )
     preprocess = data.Preprocess(splits, info.device, settings.channels_last)
     batches = endless(loader)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import auto
 import distributed
 import engine
 import parallel
@@ -154,7 +155,9 @@ def build_strategy(
     if not parallel.Layout.of(DistConfig(strategy=strategy), info).shards:  # see build_model
         model = model.to(info.device)
     par = parallel.parallelize(model, info, DistConfig(strategy=strategy))
-    kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="adamw"))
+    kind, groups, settings = engine.optimizer_spec(
+        par.bare, OptimConfig(name="adamw"), auto.optimizer_impl("auto", info.device)
+    )
     return par, par.build_optimizer(kind, groups, **settings)
 
 

@@ -26,7 +26,9 @@ CPU = torch.device("cpu")
 def training_objects(seed: int = 0) -> tuple:
     torch.manual_seed(seed)
     model = MiniResNet(in_channels=1, num_classes=10, widths=(8, 16))
-    optimizer = engine.build_optimizer(model, OptimConfig(name="adamw", lr=1e-3, warmup_steps=2))
+    optimizer = engine.build_optimizer(
+        model, OptimConfig(name="adamw", lr=1e-3, warmup_steps=2), "foreach"
+    )
     scheduler = engine.build_scheduler(optimizer, OptimConfig(warmup_steps=2), total_steps=20)
     scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
     return model, optimizer, scheduler, scaler

@@ -28,6 +28,12 @@ def info(rank: int = 0, world_size: int = 1) -> DistInfo:
     return DistInfo(rank, rank, world_size, CPU)
 
 
+def train_loader(splits: data.DataSplits, cfg: DataConfig, info: DistInfo, seed: int) -> Any:
+    """data.build_train_loader with data.loader resolved as the run resolves it (auto.loader)."""
+    kind = auto.loader(cfg.loader, cfg.source, data.in_memory_numel(splits.train), info.device)
+    return data.build_train_loader(splits, cfg, info, seed, kind)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_train_shards_are_disjoint_equal_and_cover_all_but_the_remainder(world_size) -> None:
     dataset = data.make_synthetic(1001, (1, 8, 8), 10, seed=0)
@@ -126,12 +132,12 @@ def test_two_ranks_see_the_same_samples_as_one_rank_with_twice_the_batch() -> No
         (0.25,),
     )
     cfg = DataConfig(batch_size=8, num_workers=0)
-    one = data.build_train_loader(splits, DataConfig(batch_size=16, num_workers=0), info(), 0)
+    one = train_loader(splits, DataConfig(batch_size=16, num_workers=0), info(), 0)
     data.set_epoch(one, 2)
     images_one, labels_one, _ = next(iter(one))
     parts = []
     for rank in range(2):
-        loader = data.build_train_loader(splits, cfg, info(rank, 2), 0)
+        loader = train_loader(splits, cfg, info(rank, 2), 0)
         data.set_epoch(loader, 2)
         parts.append(next(iter(loader)))
     key = lambda imgs, lbls: sorted(  # noqa: E731
@@ -153,7 +159,7 @@ def test_loader_with_workers_matches_loader_without(tmp_path) -> None:
     )
     batches = []
     for workers in (0, 2):
-        loader = data.build_train_loader(
+        loader = train_loader(
             splits, DataConfig(batch_size=16, num_workers=workers, loader="dataloader"), info(), 0
         )
         data.set_epoch(loader, 1)
@@ -291,7 +297,7 @@ def test_device_path_yields_the_dataloader_batches_bit_for_bit(augment, padding)
         cfg = DataConfig(
             batch_size=16, num_workers=0, loader=loader_kind, augment=augment, crop_padding=padding
         )
-        loader = data.build_train_loader(splits, cfg, info(1, 2), seed=11)
+        loader = train_loader(splits, cfg, info(1, 2), seed=11)
         assert isinstance(loader, data.DeviceLoader) == (loader_kind == "device")
         data.set_epoch(loader, 4, consumed=64)
         batches[loader_kind] = list(loader)
@@ -325,7 +331,7 @@ def test_a_data_factory_gets_root_and_kwargs_and_feeds_the_sampler(monkeypatch) 
     splits = data.build_datasets(cfg, 0, info())
     assert len(splits.train) == 40 and splits.input_shape == (2, 8, 8) and splits.num_classes == 3
     assert splits.mean == (0.5, 0.5) and splits.classes is None
-    loader = data.build_train_loader(
+    loader = train_loader(
         splits, dataclasses.replace(cfg, augment=False, batch_size=4), info(1, 2), 0
     )
     data.set_epoch(loader, 0)

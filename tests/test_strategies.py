@@ -191,7 +191,7 @@ def _accumulate(info, num_micro: int) -> tuple[int, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = MiniResNet(in_channels=1, num_classes=10, widths=(4, 8), norm="group")
     par = parallel.parallelize(model, info, DistConfig(strategy="fsdp"))
-    optimizer = engine.build_optimizer(par.bare, OptimConfig(name="sgd", lr=0.1))
+    optimizer = engine.build_optimizer(par.bare, OptimConfig(name="sgd", lr=0.1), "foreach")
     scaler = engine.make_scaler(info.device, None)
     # FSDP2 reduce-scatters through torch.distributed's module attribute: reduce_scatter_single
     # in torch 2.14 (fsdp/_fully_shard/_fsdp_collectives.py, DefaultReduceScatter),
@@ -275,6 +275,7 @@ def _build_sharded(info, factory: str, *extra: str) -> dict:
     import importlib
     from types import SimpleNamespace
 
+    import auto
     import build
     import parallel
 
@@ -284,7 +285,9 @@ def _build_sharded(info, factory: str, *extra: str) -> dict:
     importlib.import_module(factory.partition(":")[0])
     peak = _peak_rss(reset=True)
     stream = torch.get_rng_state()
-    model = build.build_model(cfg, splits, info)  # type: ignore[arg-type]
+    channels_last = auto.channels_last(cfg.model.channels_last, info.device)
+    layout = parallel.Layout.of(cfg.dist, info)
+    model = build.build_model(cfg, splits, info, channels_last, layout)  # type: ignore[arg-type]
     stream_kept = torch.equal(torch.get_rng_state(), stream)
     built_on = {t.device.type for t in sharding.module_tensors(model).values()}
     par = parallel.parallelize(model, info, cfg.dist)
@@ -447,7 +450,7 @@ def _fused_sgd_step(info) -> float:
     torch.manual_seed(0)
     model = MiniResNet(in_channels=1, num_classes=10, widths=(4, 8), norm="group")
     par = parallel.parallelize(model, info, DistConfig(strategy="fsdp"))
-    kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="sgd", impl="fused"))
+    kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="sgd"), "fused")
     optimizer = par.build_optimizer(kind, groups, **settings)
     loss = par.model(torch.randn(4, 1, 12, 12)).sum()
     loss.backward()

@@ -11,7 +11,9 @@ import pytest
 import torch
 from helpers import tiny_job_args
 
+import auto
 import build
+import parallel
 import resilience
 import train
 from ckpt import parts, retention, single, storage
@@ -24,6 +26,14 @@ from runpaths import RunPaths
 
 CPU = torch.device("cpu")
 ONE = DistInfo(0, 0, 1, CPU)
+
+
+def build_on_cpu(cfg: Config, splits: Any, info: DistInfo) -> torch.nn.Module:
+    """build.build_model with the settings resolved as the Trainer resolves them."""
+    channels_last = auto.channels_last(cfg.model.channels_last, info.device)
+    return build.build_model(cfg, splits, info, channels_last, parallel.Layout.of(cfg.dist, info))
+
+
 PARTS = ("position", "rng", "model", "optimizer", "scheduler", "scaler", "ledger")
 
 
@@ -140,8 +150,8 @@ def test_changed_math_settings_are_reported(caplog) -> None:
 def test_model_mismatch_names_the_checkpoint() -> None:
     cfg = parse_args(["--model.widths=8,16"])
     splits = train.data.DataSplits(None, None, (1, 28, 28), 10, (0.5,), (0.25,))  # type: ignore[arg-type]
-    model = build.build_model(cfg, splits, ONE)
-    other = build.build_model(parse_args(["--model.widths=8,32"]), splits, ONE)
+    model = build_on_cpu(cfg, splits, ONE)
+    other = build_on_cpu(parse_args(["--model.widths=8,32"]), splits, ONE)
     manager, _ = manager_with(cfg, model=parts.ModelState(model))
     with pytest.raises(CheckpointError, match="old.pt does not fit this run's model"):
         manager.restore(Path("old.pt"), saved_state(cfg, model=other.state_dict()))
@@ -274,7 +284,7 @@ def test_syncbatch_on_cpu_ranks_is_refused_with_advice_the_model_takes() -> None
     for model, advice in [([], "batch or group"), (["--model.name=resnet18"], "batch")]:
         cfg = parse_args(["--model.norm=syncbatch", *model])
         with pytest.raises(ConfigError, match=rf"needs CUDA .*; use model.norm={advice} on CPU$"):
-            build.build_model(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
+            build_on_cpu(cfg, splits, DistInfo(0, 0, 2, CPU, "gloo"))
         parse_args([f"--model.norm={advice.split()[-1]}", *model])  # the advice is accepted
 
 
@@ -343,7 +353,7 @@ def test_a_warmup_longer_than_a_quarter_of_the_run_is_shortened() -> None:
     import engine
 
     model = torch.nn.Linear(2, 2)
-    optimizer = engine.build_optimizer(model, parse_args(["--optim.lr=1.0"]).optim)
+    optimizer = engine.build_optimizer(model, parse_args(["--optim.lr=1.0"]).optim, "foreach")
     scheduler = engine.build_scheduler(optimizer, parse_args([]).optim, total_steps=20)
     lrs = []
     for _ in range(20):
