@@ -69,9 +69,9 @@ fi
 
 # --frozen: install exactly uv.lock, never re-resolve; the interpreter must already exist.
 # --compile-bytecode: every process of every job imports torch, and a Python that may not write
-# bytecode (PYTHONDONTWRITEBYTECODE, a read-only venv) compiles it from source each time: 14 s
-# of CPU for torch and the torch._dynamo an optimizer imports, against 5.5 s from bytecode (a
-# 2-core EPYC). Compiled once here; a later run skips what is compiled.
+# bytecode (PYTHONDONTWRITEBYTECODE, a read-only venv) compiles it from source each time, at
+# more than twice the CPU of an import from bytecode (BENCHMARKS.md, "Overhead": start-up).
+# Compiled once here; a later run skips what is compiled.
 # Arguments go to uv sync: `scripts/setup.sh --group ray` adds Ray (scripts/ray_train.py).
 UV_PYTHON_DOWNLOADS=never uv sync --frozen --compile-bytecode --quiet "$@"
 # The repository's own modules too (__pycache__ is git-ignored; a changed file is recompiled in
