@@ -125,7 +125,7 @@ class Trainer:
         self.num_train = len(splits.train)  # type: ignore[arg-type]
         self.num_eval = len(splits.eval)  # type: ignore[arg-type]
         # What an evaluation leaves out: an image folder's unreadable images (bad_images=skip),
-        # else samples labelled data.IGNORED by a data.factory.
+        # else samples labelled config.IGNORED (-100) by a data.factory.
         self.eval_from_folder = data.folder_of(splits.eval) is not None
         self.input_shape = splits.input_shape
         self.num_classes = splits.num_classes

@@ -3,9 +3,9 @@
 
 Layout of `<run.dir>/checkpoints/`:
     step_<N>.pt             a checkpoint in one file, written by rank 0 with `torch.save`
-    step_<N>/               a sharded checkpoint: rank_<r>.pt (rank r's pieces of the tensors)
-                            and meta.pt (the rest of the state, and where each tensor's rows
-                            are), every rank writing its own file in parallel
+    step_<N>/               a sharded checkpoint: rank_<r>.<token>.pt (rank r's pieces of the
+                            tensors) and meta.<token>.pt (the rest of the state, and where each
+                            tensor's rows are), every rank writing its own file in parallel
     step_<N>.manifest.json  written last, after the files are durable, so a checkpoint without
                             one is incomplete: {"file", "bytes", "crc32", "step"} for one file;
                             {"format": "sharded", "step", "files": {name: {"bytes", "crc32"}}}
