@@ -1,6 +1,7 @@
 """The sharded checkpoint format: a folder `step_<N>/` in which every rank writes its own
 pieces of the tensors (rank_<r>.<token>.pt, a token per save) in parallel, rank 0 the rest of
-the state (meta.<token>.pt), and a manifest {"format": "sharded", "step", "files": {name: {"bytes", "crc32"}}}, written last.
+the state (meta.<token>.pt), and a manifest {"format": "sharded", "step", "files": {name:
+{"bytes", "crc32"}}}, written last.
 
 Who writes what (no byte twice):
 - a DTensor sharded on dim 0 (FSDP2 parameters and their optimizer state): each rank its
