@@ -25,6 +25,7 @@ from inputs.loaders import (
     DeviceLoader,
     Encoded,
     Preprocess,
+    StopSafeLoader,
     close_loader,
     collate_encoded,
     loader_options,
@@ -185,9 +186,9 @@ def build_train_loader(
     options |= loader_options(cfg, info, seed)
     if decode == "device":  # the decoders read pageable memory: nothing to pin
         options["pin_memory"] = False
-        encoded = DataLoader(Encoded(splits.train), collate_fn=collate_encoded, **options)
+        encoded = StopSafeLoader(Encoded(splits.train), collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
-    return DataLoader(dataset, **options)
+    return StopSafeLoader(dataset, **options)
 
 
 def build_eval_loader(
@@ -200,9 +201,9 @@ def build_eval_loader(
     options |= loader_options(cfg, info, seed)
     if decode == "device":
         options["pin_memory"] = False
-        encoded = DataLoader(Encoded(splits.eval), collate_fn=collate_encoded, **options)
+        encoded = StopSafeLoader(Encoded(splits.eval), collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, False, info.device, train=False)
-    return DataLoader(splits.eval, **options)
+    return StopSafeLoader(splits.eval, **options)
 
 
 def set_epoch(

@@ -33,14 +33,37 @@ def _init_worker(worker_id: int) -> None:
     # to their process group (torchrun, a terminal's Ctrl-C: hence a group of their own) or
     # to each process (slurmstepd, the kubelet). They end when the DataLoader shuts them down,
     # or within seconds of the training process's death (the DataLoader's watchdog).
+    # The window before this function runs is closed by `StopSafeLoader`: the worker starts
+    # with these signals blocked, and setting SIG_IGN discards any that arrived meanwhile.
     os.setpgid(0, 0)
     for sig in exitcodes.LOADER_IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, exitcodes.LOADER_IGNORED_SIGNALS)
     # torch seeds each worker with base_seed + worker_id; give Python and NumPy (used by
     # user-added transforms) seeds derived from it as well.
     worker_seed = torch.initial_seed() % 2**32
     random.seed(worker_seed)
     np.random.seed(worker_seed)
+
+
+class StopSafeLoader(DataLoader):
+    """A DataLoader whose workers never die of a stop signal, even while starting.
+
+    torch's worker loop installs its own SIGTERM handler (die unless the parent sent it) before
+    `worker_init_fn` runs, so a SIGTERM to every process of the job landing in that window
+    killed a starting worker, and the training process raised "DataLoader worker ... exited
+    unexpectedly" instead of checkpointing (seen under CI load as the first evaluation's
+    workers started). Workers are forked while the stop signals are blocked in the forking
+    thread; the child inherits the mask and `_init_worker` unblocks them once they are ignored.
+    Signals to the training process meanwhile stay pending until the fork is done.
+    """
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, exitcodes.LOADER_IGNORED_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def loader_options(cfg: DataConfig, info: DistInfo, seed: int) -> dict[str, Any]:
