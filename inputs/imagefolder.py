@@ -42,9 +42,12 @@ log = logging.getLogger(__name__)
 # >= 2.11); they are the same libjpeg-turbo and libpng, and the GPU image's torchvision has them.
 warnings.filterwarnings("ignore", "The image decoding and encoding", DeprecationWarning)
 
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif")
-# Images torchvision.io cannot decode (torchvision's ImageFolder reads them through PIL).
-OTHER_IMAGES = (".bmp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".avif", ".heic")
+# What torchvision.io decodes (it reads the format from the bytes, not the name): the JPEG
+# family under all its extensions (.jfif, .jpe and .jif are JFIF's own), PNG, WebP and GIF.
+EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".jif", ".png", ".webp", ".gif")
+# Images torchvision.io cannot decode here (torchvision's ImageFolder reads some through PIL).
+OTHER_IMAGES = (".bmp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".avif", ".heic", ".heif")
+OTHER_IMAGES += (".jxl", ".jp2", ".j2k", ".ico", ".tga", ".dng", ".cr2", ".nef", ".arw")
 DECODE_CHUNK = 32  # images decoded at once on the device (decode_batch)
 RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range (torchvision's default)
 SPLIT = -1  # the owner of the split folder itself in a scan (no class)
@@ -170,13 +173,14 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
         walk.tree(os.path.join(root, name), label)
     walk.follow()
     found: list[list[str]] = [[] for _ in names]
-    unread = []
+    unread, others = [], []
     for path, label in walk.files:
         if path.lower().endswith(EXTENSIONS):
             found[label].append(path)
-        elif path.lower().endswith(OTHER_IMAGES):
-            unread.append(shown(path))
+        else:
+            (unread if path.lower().endswith(OTHER_IMAGES) else others).append(shown(path))
     _report(root, walk, loose, unread)
+    _said(root, "other files (not images, by their extension) are left out", others, logging.INFO)
     _refuse_empty_classes(root, walk.classes, found)
     return walk.classes, [
         (path, label) for label, paths in enumerate(found) for path in sorted(paths)
