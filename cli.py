@@ -394,6 +394,18 @@ _SCOPES = (
         lambda c: f"dist.strategy={c.dist.strategy}",
     ),
     _Scope(
+        ("data.batch_size",),
+        "runs without data.global_batch_size (which derives data.batch_size)",
+        lambda c: c.data.global_batch_size == 0,
+        lambda c: f"data.global_batch_size={c.data.global_batch_size}",
+    ),
+    _Scope(
+        ("data.prefetch_factor",),
+        "DataLoader worker processes (data.num_workers > 0)",
+        lambda c: c.data.num_workers > 0,
+        lambda c: f"data.num_workers={c.data.num_workers}",
+    ),
+    _Scope(
         ("optim.betas",),
         "optim.name=adamw",
         lambda c: c.optim.name == "adamw",
@@ -433,6 +445,36 @@ def check_given(cfg: Config, given: dict[str, str], origin: dict[str, str]) -> N
         )
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+# Settings that do nothing where a run happens to land (one process; a CPU): the same config
+# file may serve runs at every scale, so these are said at start rather than refused.
+_DDP_KNOBS = ("dist.bucket_cap_mb", "dist.gradient_as_bucket_view", "dist.static_graph")
+_WHERE_IGNORED = (
+    (_DDP_KNOBS + ("dist.grad_compression",), "at world size 1 (no DistributedDataParallel)"),
+    (("train.cuda_fast_math",), "on a CPU (cuDNN and TF32 are CUDA's)"),
+)
+
+
+def ignored_here(given: dict[str, str], world_size: int, device_type: str) -> list[str]:
+    """One line per explicitly given setting that this process's placement makes a no-op."""
+    lines = []
+    for keys, where in _WHERE_IGNORED:
+        applies = world_size == 1 if keys[0].startswith("dist.") else device_type == "cpu"
+        named = [f"{key}={given[key]}" for key in keys if key in given]
+        if applies and named:
+            lines.append(
+                f"{', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect "
+                f"{where}: ignored"
+            )
+    return lines
+
+
+def given_settings(argv: list[str]) -> dict[str, str]:
+    """key -> value as typed, of every setting the command line or its --config files give."""
+    config_files, cli_args = split_config_flag(argv)
+    file_args, _ = _file_args(config_files)
+    return dict(_options(file_args)) | dict(_options(cli_args))
 
 
 def _check_not_empty(given: dict[str, str], origin: dict[str, str]) -> None:

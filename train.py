@@ -45,7 +45,7 @@ import resilience
 import sharding
 from ckpt import parts, rundir
 from ckpt.manager import CheckpointManager, Resumed, RunRecord
-from cli import parse_args
+from cli import given_settings, ignored_here, parse_args
 from config import (
     IGNORED,
     Config,
@@ -672,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
         return exitcodes.EXIT_PREEMPTED
     try:
         info = distributed.setup(cfg.dist, auto.backend(cfg.dist.backend))
+        if info.is_main:
+            for line in ignored_here(given_settings(argv), info.world_size, info.device.type):
+                log.warning(line)
         cfg = for_world_size(cfg, info.world_size)
         result = train(cfg, info)
         log.info("done: %s", result)

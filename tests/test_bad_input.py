@@ -575,6 +575,8 @@ def test_bad_input_fails_fast_with_a_clear_message_and_changes_nothing(
     if case.prepare is not None:
         case.prepare(tmp_path)
     base = (*COMMON_ARGS, *case.dataset, *case.model)
+    if any(arg.startswith("--data.global_batch_size=") for arg in case.args):
+        base = tuple(a for a in base if not a.startswith("--data.batch_size="))  # one or other
     args = [fill(a, dirs, escape=False) for a in (*base, *case.args)]
     patterns = [fill(p, dirs, escape=True) for p in case.patterns]
     if case.field is not None:

@@ -335,6 +335,14 @@ def test_a_name_beside_a_factory_is_refused(argv, named, capsys) -> None:
         # Explicitly the default: still ignored by a torchvision model.
         (["--model.name=resnet18", "--model.widths=16,32,64"], "model.widths=16,32,64", "res"),
         (["--model.factory=m:f", "--model.stem_stride=1"], "model.stem_stride=1", "m:f"),
+        # Replaced by the derived value before this check existed, without a word.
+        (
+            ["--data.global_batch_size=256", "--data.batch_size=64"],
+            "data.batch_size=64",
+            "data.global_batch_size=256",
+        ),
+        # torch's DataLoader takes prefetch_factor only with workers (it raises otherwise).
+        (["--data.num_workers=0", "--data.prefetch_factor=8"], "prefetch_factor=8", "workers=0"),
     ],
 )
 def test_a_field_another_choice_ignores_is_refused(argv, setting, choice, capsys) -> None:
@@ -363,6 +371,22 @@ def test_fields_with_their_own_choice_are_accepted() -> None:
     assert (cfg.data.synthetic_train_size, cfg.data.crop_padding) == (100, 3)
     cfg = parse_args(["--optim.momentum=0.8", "--optim.nesterov=false", "--model.widths=8,16"])
     assert (cfg.optim.momentum, cfg.optim.nesterov, cfg.model.widths) == (0.8, False, (8, 16))
+
+
+def test_settings_this_placement_ignores_are_named() -> None:
+    """DDP's knobs at world size 1 (distributed.wrap_model returns the bare model) and
+    train.cuda_fast_math on a CPU (build.configure_cuda sets CUDA's flags) do nothing: said
+    at start, given explicitly or not; not refused, since one config file may serve runs at
+    every scale and on every device."""
+    given = cli.given_settings(["--dist.static_graph=true", "--train.cuda_fast_math=true"])
+    assert cli.ignored_here(given, 2, "cuda") == []
+    alone_on_cpu = cli.ignored_here(given, 1, "cpu")
+    assert alone_on_cpu == [
+        "dist.static_graph=true has no effect at world size 1 (no DistributedDataParallel): "
+        "ignored",
+        "train.cuda_fast_math=true has no effect on a CPU (cuDNN and TF32 are CUDA's): ignored",
+    ]
+    assert cli.ignored_here(cli.given_settings(["--data.batch_size=8"]), 1, "cpu") == []
 
 
 def test_a_field_ignored_because_of_a_file_names_the_file(tmp_path, capsys) -> None:
