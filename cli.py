@@ -259,7 +259,11 @@ def nearest_key(key: str) -> str | None:
         )
 
     best = max(field_types(), key=score)
-    return best if score(best) >= 0.6 else None  # difflib.get_close_matches' default cutoff
+    if score(best) >= 0.6:  # difflib.get_close_matches' default cutoff
+        return best
+    # A right field in the wrong section ([data] lr = 0.1): the field alone decides.
+    moved = [known for known in field_types() if known.split(".")[1] == wanted_field]
+    return moved[0] if len(moved) == 1 else None
 
 
 def _options(args: list[str]) -> list[tuple[str, str]]:
@@ -518,7 +522,7 @@ def _tyro(args: list[str], prog: str) -> Config:
     except SystemExit as exit:
         if exit.code in (0, None):  # --help
             raise
-        sys.stderr.write(explained.getvalue())
+        # One line, printed once by the caller: tyro's box said the same reason again above it.
         raise ConfigError(_plain(explained.getvalue())) from None
 
 

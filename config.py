@@ -9,6 +9,7 @@ command line and TOML files into these dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import json
@@ -69,9 +70,12 @@ def load_factory(key: str, spec: str) -> Callable[..., Any]:
     for part in function_name.split("."):
         target = getattr(target, part, None)
     if not callable(target):
+        names = [name for name in dir(module) if callable(getattr(module, name, None))]
+        near = difflib.get_close_matches(function_name, names, n=1)
+        hint = f"; did you mean {module_name}:{near[0]}?" if near else ""
         raise ConfigError(
             f"{key}={spec}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
-            f"function {function_name!r}"
+            f"function {function_name!r}{hint}"
         )
     return target
 
