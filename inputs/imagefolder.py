@@ -161,18 +161,27 @@ def _class_folders(root: Path, walk: _Walk) -> tuple[list[str], list[str]]:
     return sorted(names), loose
 
 
-def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+def scan(
+    root: Path, known: Sequence[str] | None = None
+) -> tuple[list[str], list[tuple[str, int]]]:
     """The class folders of `root` (sorted: a label is a class's index in that order) and
     every image file under them, sorted by path. Symbolic links are followed, each real folder
-    read once (`_Walk`); hidden files and folders (a name starting with '.') are skipped."""
+    read once (`_Walk`); hidden files and folders (a name starting with '.') are skipped.
+
+    `known`: the training split's classes, for the validation split. Its labels are indices
+    into them; a class it lacks, or whose folder holds no images, is named in a warning (that
+    class trains, and is not evaluated), while a class the training split lacks is refused."""
     walk = _Walk()
     names, loose = _class_folders(root, walk)
-    walk.classes = [shown(name) for name in names]
+    shown_names = [shown(name) for name in names]
+    classes = list(known) if known is not None else shown_names
+    _refuse_unknown_classes(root, classes, shown_names)
+    walk.classes = classes
     walk.claim(str(root), SPLIT)
-    for label, name in enumerate(names):
-        walk.tree(os.path.join(root, name), label)
+    for name, seen in zip(names, shown_names, strict=True):
+        walk.tree(os.path.join(root, name), classes.index(seen))
     walk.follow()
-    found: list[list[str]] = [[] for _ in names]
+    found: list[list[str]] = [[] for _ in classes]
     unread, others = [], []
     for path, label in walk.files:
         if path.lower().endswith(EXTENSIONS):
@@ -181,10 +190,26 @@ def scan(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
             (unread if path.lower().endswith(OTHER_IMAGES) else others).append(shown(path))
     _report(root, walk, loose, unread)
     _said(root, "other files (not images, by their extension) are left out", others, logging.INFO)
-    _refuse_empty_classes(root, walk.classes, found)
+    if known is None:
+        _refuse_empty_classes(root, walk.classes, found)
+    else:
+        unseen = [name for name, paths in zip(classes, found, strict=True) if not paths]
+        what = "classes have no images here: they are trained, and not evaluated"
+        _said(root, what, unseen)
     return walk.classes, [
         (path, label) for label, paths in enumerate(found) for path in sorted(paths)
     ]
+
+
+def _refuse_unknown_classes(root: Path, classes: list[str], names: list[str]) -> None:
+    extra = sorted(set(names) - set(classes))
+    if extra:
+        raise ConfigError(
+            f"{shown(root)} has class folders {extra} that the training split lacks (it has "
+            f"{classes}): a label is a class's index in the training split's sorted class "
+            "folders, so every class evaluated must be trained. Remove them or add them to "
+            "the training split"
+        )
 
 
 def _report(root: Path, walk: _Walk, loose: list[str], unread: list[str]) -> None:
@@ -407,9 +432,10 @@ class ImageFolder(Dataset):
         crop_ratio: float,
         crop_scale: Sequence[float],
         skip_bad: bool,
+        known: Sequence[str] | None = None,
     ) -> None:
         self.root = root
-        self.classes, self.samples = scan(root)
+        self.classes, self.samples = scan(root, known)
         self.image_size = image_size
         self.resize_size = int(image_size / crop_ratio)
         self.crop_scale = tuple(crop_scale)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from config import ConfigError, DataConfig
+from config import DataConfig
 from inputs import imagefolder
 
 log = logging.getLogger(__name__)
@@ -166,34 +166,64 @@ def _cifar10(cfg: DataConfig) -> DataSplits:
     return DataSplits(to_tensors(train), to_tensors(test), (3, 32, 32), 10, mean, std, classes)
 
 
+# Names a split folder often has in downloaded datasets, and the name this pipeline reads.
+SPLIT_ALIASES = {"val": ("valid", "validation", "test", "eval", "dev"), "train": ("training",)}
+
+
+def _subfolders(folder: Path) -> list[str]:
+    try:
+        return sorted(e.name for e in os.scandir(folder) if e.is_dir() and e.name[0] != ".")
+    except OSError:
+        return []
+
+
+def _holds_images(folder: Path) -> bool:
+    """Whether image files lie directly in `folder` (a class folder's look)."""
+    try:
+        return any(e.name.lower().endswith(imagefolder.EXTENSIONS) for e in os.scandir(folder))
+    except OSError:
+        return False
+
+
+def _missing_split(root: Path, split: str) -> DatasetNotFoundError:
+    """`root/split` is missing: what the folder holds, and the likely fix."""
+    expected = f"imagefolder reads {root}/train/<class>/<image> and {root}/val/<class>/<image>"
+    if not root.is_dir():
+        return DatasetNotFoundError(f"data.root={root} does not exist ({expected})")
+    found = _subfolders(root)
+    aliases = [name for name in found if name.lower() in SPLIT_ALIASES[split]]
+    nested = [name for name in found if {"train", "val"} <= set(_subfolders(root / name))]
+    classes = [name for name in found if _holds_images(root / name)]
+    if aliases:
+        link = f"ln -s {aliases[0]} {root / split}"
+        fix = f"{root} has {aliases[0]}/: rename it {split}/ (or link it: {link})"
+    elif nested:
+        fix = f"{root / nested[0]} holds train/ and val/: set --data.root={root / nested[0]}"
+    elif classes and root.name in ("train", "val", *SPLIT_ALIASES["val"]):
+        fix = f"{root} is a split's folder of class folders: set --data.root={root.parent}"
+    elif classes:
+        fix = (
+            f"{root} holds class folders directly ({', '.join(classes[:3])}, ...): make "
+            f"{root}/train/<class>/ and {root}/val/<class>/ from them (a share of each class "
+            "in val/), or point --data.root at the folder holding train/ and val/"
+        )
+    else:
+        held = ", ".join(f"{name}/" for name in found[:5]) or "no folders"
+        fix = f"{root} holds {held}; set --data.root to the folder holding train/ and val/"
+    return DatasetNotFoundError(f"{root / split} does not exist: {fix} ({expected})")
+
+
 def _imagefolder(cfg: DataConfig) -> DataSplits:
     root = Path(cfg.root)
     for split in ("train", "val"):
         if not (root / split).is_dir():
-            raise DatasetNotFoundError(
-                f"imagefolder needs {root / split}/<class>/<image> folders; {root / split} "
-                "does not exist (set --data.root to the folder holding train/ and val/)"
-            )
+            raise _missing_split(root, split)
     options = (cfg.image_size, cfg.crop_ratio, cfg.crop_scale, cfg.bad_images == "skip")
     train = imagefolder.ImageFolder(root / "train", *options)
     imagefolder.require_two_classes(train)  # before val: a val of one class is a mismatch
-    test = imagefolder.ImageFolder(root / "val", *options)
-    if test.classes != train.classes:  # labels are indices into the sorted class folders
-        missing = sorted(set(train.classes) - set(test.classes))
-        extra = sorted(set(test.classes) - set(train.classes))
-        raise ConfigError(
-            f"imagefolder class folders differ between {root / 'train'} {train.classes} and "
-            f"{root / 'val'} {test.classes}: "
-            + "; ".join(
-                part
-                for part in (
-                    missing and f"{root / 'val'} lacks {missing}",
-                    extra and f"{root / 'val'} has {extra}, which {root / 'train'} lacks",
-                )
-                if part
-            )
-            + ". Both need the same class folders (a label is a class's index in sorted order)"
-        )
+    # The training split's classes label the validation split: a class without validation
+    # images still trains (named in a warning), one without training images is refused.
+    test = imagefolder.ImageFolder(root / "val", *options, known=train.classes)
     mean, std = STATS["imagefolder"]
     shape = (3, cfg.image_size, cfg.image_size)
     return DataSplits(train, test, shape, len(train.classes), mean, std, tuple(train.classes))

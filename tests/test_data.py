@@ -610,3 +610,55 @@ def test_a_bad_label_in_an_in_memory_dataset_is_named_before_training(monkeypatc
         ),
     ):
         data.build_datasets(cfg, 0, info())
+
+
+def jpeg_folder(root: Path, classes: dict[str, int]) -> None:
+    for name, count in classes.items():
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", (20, 16), color=(i * 40, 90, 200)).save(root / name / f"{i}.jpg")
+
+
+@pytest.mark.parametrize(
+    ("layout", "root", "expected"),
+    [
+        # Before: "{root}/val does not exist (set --data.root to the folder holding train/ and
+        # val/)", whatever the folder held.
+        (("train", "valid"), "", "{root} has valid/: rename it val/ (or link it: ln -s valid"),
+        ((), "", "{root} holds class folders directly (a, b, ...): make {root}/train/<class>/"),
+        (("train", "val"), "train", "is a split's folder of class folders: set --data.root={root}"),
+        (("x/train", "x/val"), "", "{root}/x holds train/ and val/: set --data.root={root}/x"),
+    ],
+)
+def test_imagefolder_layout_mistakes_say_what_was_found_and_expected(
+    tmp_path, layout, root, expected
+) -> None:
+    for split in layout:
+        jpeg_folder(tmp_path / split, {"a": 2, "b": 2})
+    if not layout:
+        jpeg_folder(tmp_path, {"a": 2, "b": 2})
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path / root))
+    with pytest.raises(data.DatasetNotFoundError) as err:
+        data.build_datasets(cfg, 0, info())
+    assert expected.format(root=tmp_path) in str(err.value), str(err.value)
+    assert "imagefolder reads" in str(err.value)
+
+
+def test_a_class_without_validation_images_trains_and_is_named(tmp_path, caplog) -> None:
+    """Before, a val/ lacking a class folder (or with an empty one) was refused: the class
+    could not be trained at all. Labels stay the training split's indices."""
+    jpeg_folder(tmp_path / "train", {"a": 2, "b": 2, "c": 2})
+    jpeg_folder(tmp_path / "val", {"a": 1, "c": 2})
+    (tmp_path / "val" / "b").mkdir()  # empty; remove it and the same holds
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path), image_size=16)
+    with caplog.at_level("WARNING"):
+        splits = data.build_datasets(cfg, seed=0, info=info())
+    assert splits.num_classes == 3 and len(splits.eval) == 3
+    assert [splits.eval[i][1] for i in range(3)] == [0, 2, 2]  # c is label 2, as in training
+    assert "1 classes have no images here: they are trained, and not evaluated: b" in caplog.text
+    (tmp_path / "val" / "b").rmdir()
+    splits = data.build_datasets(cfg, seed=0, info=info())
+    assert [splits.eval[i][1] for i in range(3)] == [0, 2, 2]
+    jpeg_folder(tmp_path / "val", {"d": 1})  # a class training never saw: refused by name
+    with pytest.raises(ConfigError, match=r"class folders \['d'\] that the training split lacks"):
+        data.build_datasets(cfg, seed=0, info=info())
