@@ -170,6 +170,8 @@ def build_train_loader(
     dataloader: data.loader as auto.loader resolved it, in the run's auto.Auto record). An image
     folder's DataLoader decodes in its workers, or with `decode="device"` (auto.decode) in a
     `DecodingLoader`."""
+    if splits.augmented:  # the dataset's own augmentation, not ours on top (inputs.user)
+        cfg = replace(cfg, augment=False)
     dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
     sampler = EpochSampler(dataset, info, seed)
     if len(sampler) < cfg.batch_size:

@@ -161,9 +161,7 @@ def _class_folders(root: Path, walk: _Walk) -> tuple[list[str], list[str]]:
     return sorted(names), loose
 
 
-def scan(
-    root: Path, known: Sequence[str] | None = None
-) -> tuple[list[str], list[tuple[str, int]]]:
+def scan(root: Path, known: Sequence[str] | None = None) -> tuple[list[str], list[tuple[str, int]]]:
     """The class folders of `root` (sorted: a label is a class's index in that order) and
     every image file under them, sorted by path. Symbolic links are followed, each real folder
     read once (`_Walk`); hidden files and folders (a name starting with '.') are skipped.

@@ -76,6 +76,7 @@ class DataSplits:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     classes: tuple[str, ...] | None = None  # class names by label, when the dataset has them
+    augmented: bool = False  # training samples come augmented: data.augment leaves them alone
 
     @property
     def in_channels(self) -> int:

@@ -35,9 +35,10 @@ class UserData:
     NumPy integer or a one-element integer tensor will do), or -100 for a sample no loss
     counts. Labels are checked before training when they can be read without loading images
     (a list of samples, a `labels` or `targets` attribute), else as each sample is loaded.
-    Training samples get this pipeline's augmentation (random crop, flip: data.augment) and
-    sampler; a dataset must not draw random numbers of its own, or a resumed run differs from
-    an uninterrupted one.
+    Training samples get this pipeline's augmentation (random crop, flip: data.augment, keyed
+    by seed, epoch and index) and sampler. A dataset that augments its own samples says so with
+    `augmented=True`: data.augment then leaves them alone (its random draws are its own, so a
+    resumed run repeats an uninterrupted one only if they are keyed the same way).
     """
 
     train: Dataset
@@ -47,6 +48,7 @@ class UserData:
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
     classes: tuple[str, ...] | None = None
+    augmented: bool = False
 
 
 def user_data(cfg: DataConfig) -> DataSplits:
@@ -83,7 +85,33 @@ def user_data(cfg: DataConfig) -> DataSplits:
     uint8 = any(image.dtype == torch.uint8 for image in images.values())
     mean, std = _factory_stats(where, made, uint8, shape[0])
     classes = tuple(made.classes) if made.classes is not None else None
-    return DataSplits(splits["train"], splits["eval"], shape, num_classes, mean, std, classes)
+    _say_augmentation(where, made, cfg)
+    return DataSplits(
+        splits["train"], splits["eval"], shape, num_classes, mean, std, classes, made.augmented
+    )
+
+
+def _say_augmentation(where: str, made: UserData, cfg: DataConfig) -> None:
+    """Whose augmentation the training samples get, said once: a dataset with transforms of
+    its own got this pipeline's crop and flip on top of them without a word."""
+    if made.augmented:
+        log.info("%s: training samples come augmented by the dataset (data.augment is off)", where)
+        return
+    if not cfg.augment:
+        return
+    shift = f"a random shift of up to {cfg.crop_padding} pixels and " if cfg.crop_padding else ""
+    ours = f"{shift}a 50% horizontal flip (data.augment)"
+    own = [n for n in ("transform", "transforms") if getattr(made.train, n, None) is not None]
+    if own:
+        log.warning(
+            "%s: the training dataset has its own %s, and gets %s on top: if it augments, return "
+            "UserData(..., augmented=True) or set --data.augment=false",
+            where,
+            own[0],
+            ours,
+        )
+    else:
+        log.info("%s: training samples get %s", where, ours)
 
 
 def _classes_and_shape(where: str, made: UserData) -> tuple[int, tuple[int, ...]]:

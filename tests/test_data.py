@@ -662,3 +662,56 @@ def test_a_class_without_validation_images_trains_and_is_named(tmp_path, caplog)
     jpeg_folder(tmp_path / "val", {"d": 1})  # a class training never saw: refused by name
     with pytest.raises(ConfigError, match=r"class folders \['d'\] that the training split lacks"):
         data.build_datasets(cfg, seed=0, info=info())
+
+
+class TransformedSamples(torch.utils.data.Dataset):
+    """A torchvision-style dataset with a `transform` of its own (here: none that changes)."""
+
+    def __init__(self, n: int) -> None:
+        self.transform = lambda image: image
+        self.samples = [
+            (torch.arange(64, dtype=torch.uint8).view(1, 8, 8) + i, i % 2) for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image, label = self.samples[index]
+        return self.transform(image), label
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_factory_that_augments_its_own_samples_is_said_and_can_opt_out(
+    monkeypatch, caplog, declared
+) -> None:
+    """Before, a factory dataset with transforms of its own got this pipeline's crop and flip
+    on top without a word, and had no way to say it augments (UserData had no such field)."""
+    train = TransformedSamples(32)
+
+    def make(root: str, n: int) -> data.UserData:
+        extra = {"augmented": True} if declared else {}
+        return data.UserData(train, train, 2, (1, 8, 8), **extra)
+
+    cfg = dataclasses.replace(user_factory(monkeypatch, make), batch_size=8, crop_padding=2)
+    with caplog.at_level("INFO"):
+        splits = data.build_datasets(cfg, 0, info())
+    loader = train_loader(splits, cfg, info(), 0)
+    data.set_epoch(loader, 3)
+    batches = list(loader)
+    unchanged = all(
+        torch.equal(image, train[int(index)][0])
+        for images, _, indices in batches
+        for image, index in zip(images, indices, strict=True)
+    )
+    if declared:
+        assert "training samples come augmented by the dataset (data.augment is off)" in caplog.text
+        assert unchanged  # exactly the dataset's samples
+    else:
+        said = (
+            "the training dataset has its own transform, and gets a random shift of up to 2 "
+            "pixels and a 50% horizontal flip (data.augment) on top: if it augments, return "
+            "UserData(..., augmented=True)"
+        )
+        assert said in caplog.text, caplog.text
+        assert not unchanged  # shifted or flipped: our augmentation ran
