@@ -521,7 +521,7 @@ class DistConfig(_Section):
     fails"""
     preflight: bool = True
     """before step 0, check that all ranks run the same versions, device
-    type, dataset and config (one all-gather)"""
+    type, dataset, config and code (one all-gather)"""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB: larger = fewer all-reduces, later
     start"""

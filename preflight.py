@@ -1,17 +1,22 @@
 """Preflight: before step 0, every rank checks that all ranks form one consistent job.
 
-Mixed torch/CUDA/NCCL versions, mixed GPU types, a different copy of the dataset or a different
-config on one node make a job slow, wrong or hang hours later. One all-gather of a few strings
+Mixed torch/CUDA/NCCL versions, mixed GPU types, a different copy of the dataset, a different
+config or different code (a stale checkout, an edited factory) on one node make a job slow,
+wrong or hang hours later. One all-gather of a few strings
 finds them in a second, and every rank fails with the same message naming the odd hosts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import platform
 import socket
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +27,9 @@ from distributed import DistInfo
 
 log = logging.getLogger(__name__)
 
-MUST_MATCH = ("python", "torch", "cuda", "nccl", "device", "dataset", "config")
+MUST_MATCH = ("python", "torch", "cuda", "nccl", "device", "dataset", "config", "code")
+REPO = Path(__file__).resolve().parent
+DIGEST_CHARS = 12  # of a sha256, as shown; enough to tell two versions of a file apart
 
 
 class PreflightError(ConfigError):
@@ -32,9 +39,46 @@ class PreflightError(ConfigError):
     message, no traceback."""
 
 
+def source_files() -> dict[str, str]:
+    """The Python source this process runs from the project and from the user (every loaded
+    module whose file lies under this repository or the working directory, outside installed
+    packages), as path -> sha256 prefix. Two nodes with the same config and different code
+    (a stale checkout, an edited factory) train different models without another symptom."""
+    roots = [Path(__file__).parent, REPO, Path.cwd(), Path.cwd().resolve()]
+    spelled = tuple(dict.fromkeys(os.path.join(root, "") for root in roots))
+    found = {}
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or not file.endswith(".py") or not file.startswith(spelled):
+            continue  # string tests first: resolving every loaded module's path is slow
+        if "site-packages" in file or "dist-packages" in file:  # a virtualenv in the checkout
+            continue
+        path = Path(file).resolve()
+        root = next((r for r in (REPO, Path.cwd().resolve()) if path.is_relative_to(r)), None)
+        if root is None or _installed(path) or not path.is_file():
+            continue
+        name = path.relative_to(root).as_posix()
+        found[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:DIGEST_CHARS]
+    return dict(sorted(found.items()))
+
+
+def _installed(path: Path) -> bool:
+    """Python's own library or an installed package (a working directory of / or $HOME holds
+    them too): their versions are the python and torch checks' business."""
+    prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    packaged = {"site-packages", "dist-packages"} & set(path.parts)
+    return bool(packaged) or any(path.is_relative_to(prefix) for prefix in prefixes)
+
+
+def _digest(files: dict[str, str]) -> str:
+    joined = "".join(f"{name}\0{digest}\n" for name, digest in files.items())
+    return hashlib.sha256(joined.encode()).hexdigest()[:DIGEST_CHARS]
+
+
 def describe(info: DistInfo, dataset_fingerprint: str, config_hash: str) -> dict[str, Any]:
     """What this rank is and runs, as plain strings."""
     cuda = info.device.type == "cuda"
+    files = source_files()
     return {
         "rank": info.rank,
         "local_rank": info.local_rank,
@@ -46,6 +90,8 @@ def describe(info: DistInfo, dataset_fingerprint: str, config_hash: str) -> dict
         "device": torch.cuda.get_device_name(info.device) if cuda else "cpu",
         "dataset": dataset_fingerprint,
         "config": config_hash,
+        "code": _digest(files),
+        "code_files": files,
     }
 
 
@@ -61,7 +107,23 @@ def mismatches(records: list[dict[str, Any]]) -> list[str]:
             f"{r['host']} rank {r['rank']}: {r[key]}" for r in records if r[key] != majority
         )
         problems.append(f"{key} differs: {counts[majority]} ranks have {majority}; {odd}")
+        if key == "code":
+            problems += _files_apart(records, majority)
     return problems
+
+
+def _files_apart(records: list[dict[str, Any]], majority: str) -> list[str]:
+    """For the code digest: which files differ on each odd rank from the majority's."""
+    usual = next(r for r in records if r["code"] == majority).get("code_files", {})
+    lines = []
+    for r in records:
+        files = r.get("code_files", {})
+        if r["code"] == majority or not files:
+            continue
+        apart = sorted(n for n in usual.keys() | files.keys() if usual.get(n) != files.get(n))
+        shown = ", ".join(apart[:6]) + (f" and {len(apart) - 6} more" if apart[6:] else "")
+        lines.append(f"  {r['host']} rank {r['rank']} runs other versions of: {shown}")
+    return lines
 
 
 def check(info: DistInfo, dataset_fingerprint: str, config_hash: str) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -26,6 +27,7 @@ def record(rank: int, host: str, **values: str) -> dict:
         "device": "NVIDIA H100",
         "dataset": "abc",
         "config": "c0ffee",
+        "code": "5eed",
     }
     return {**base, **values}
 
@@ -63,6 +65,45 @@ def test_every_rank_fails_on_a_mismatch_on_one_rank(tmp_path) -> None:
     assert "config differs: 2 ranks have same" in messages[0] and "rank 2: odd" in messages[0]
 
 
+def _check_code(info: DistInfo, folders: list[str]) -> str:
+    """Each rank imports the user's factory module from a working directory of its own, as
+    two nodes with their own checkouts do; rank 1's copy has one line changed."""
+    os.chdir(folders[info.rank])
+    sys.path.insert(0, folders[info.rank])
+    __import__("my_factory")
+    try:
+        preflight.check(info, dataset_fingerprint="data", config_hash="same")
+    except preflight.PreflightError as err:
+        return str(err)
+    return "passed"
+
+
+@pytest.mark.spawn
+def test_ranks_running_different_code_with_one_config_are_caught(tmp_path) -> None:
+    """Before, nodes with the same config and dataset but different code (an edited factory, a
+    stale checkout) passed preflight and trained different models."""
+    folders = []
+    for rank, width in enumerate((32, 33)):
+        folder = tmp_path / f"node{rank}"
+        folder.mkdir()
+        (folder / "my_factory.py").write_text(f"WIDTH = {width}\n")
+        folders.append(str(folder))
+    messages = run_ranks(_check_code, 2, tmp_path, folders)
+    assert len(set(messages)) == 1, messages
+    assert "code differs" in messages[0], messages[0]
+    assert "rank 1 runs other versions of: my_factory.py" in messages[0], messages[0]
+    (tmp_path / "node1" / "my_factory.py").write_text("WIDTH = 32\n")  # the same code again
+    assert run_ranks(_check_code, 2, tmp_path, folders) == ["passed", "passed"]
+
+
+def test_the_code_digest_covers_the_project_and_not_installed_packages() -> None:
+    files = preflight.source_files()
+    assert {"preflight.py", "distributed.py", "config.py"} <= files.keys()
+    assert not [name for name in files if "site-packages" in name or name.startswith(".venv")]
+    digest = hashlib.sha256((REPO / "preflight.py").read_bytes()).hexdigest()
+    assert files["preflight.py"] == digest[: preflight.DIGEST_CHARS]
+
+
 def _bandwidth(info: DistInfo) -> list[dict]:
     return preflight.bandwidth(info, sizes_mb=(1, 4), repeats=3)
 
@@ -81,7 +122,7 @@ def test_describe_on_cpu() -> None:
     assert set(MUST_MATCH) <= set(described)
 
 
-MUST_MATCH = ("python", "torch", "cuda", "nccl", "device", "dataset", "config")
+MUST_MATCH = ("python", "torch", "cuda", "nccl", "device", "dataset", "config", "code")
 
 
 @pytest.mark.parametrize("key", MUST_MATCH)
