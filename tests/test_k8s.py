@@ -748,6 +748,22 @@ def test_the_image_runs_as_any_user() -> None:
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
+def test_every_node_runs_the_same_image_pinned_by_digest(name) -> None:
+    """A tag can be pushed again between two nodes' pulls, and imagePullPolicy's default for a
+    tag other than latest is IfNotPresent (a node with an old copy keeps it): before, the
+    manifests named `ddp-pipeline:CHANGE-ME` with no policy, so nodes could run different
+    code. A digest names one image; the placeholder must stay unmistakable."""
+    for pod in pod_specs(name):
+        for container in containers_in(pod):
+            image = container["image"]
+            repository, _, digest = image.partition("@sha256:")
+            assert digest, f"{name}: {container['name']}: {image} is not pinned by digest"
+            assert ":" not in repository.rsplit("/", 1)[-1], image  # no tag beside the digest
+            assert "CHANGE-ME" in digest  # the placeholder is the digest podman push prints
+            assert container["imagePullPolicy"] == "IfNotPresent"
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
 def test_pods_run_the_image_read_only_with_a_writable_tmp(name) -> None:
     """The Containerfile's image: its working directory, a read-only root file system, and
     the three places it writes (run dir, /dev/shm, /tmp) mounted from volumes."""
