@@ -119,7 +119,7 @@ def build_datasets(cfg: DataConfig, seed: int, info: DistInfo) -> DataSplits:
         if given:
             check_normalisation("", f"data.{name}", given, splits.in_channels)
             splits = replace(splits, **{name: tuple(given)})
-    if not cfg.factory:  # a factory's are checked in user_data, and served by LabelChecked
+    if not cfg.factory:  # a factory's are checked in user_data, and served by SampleChecked
         for split in SPLITS:
             labels = known_labels(getattr(splits, split))
             check_labels(f"{cfg.source}: {split}", labels, splits.num_classes)

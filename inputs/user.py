@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, IterableDataset, Subset
 
 from config import IGNORED, ConfigError, DataConfig, load_factory
 from inputs.sources import DataSplits, in_memory_numel
@@ -53,7 +53,7 @@ class UserData:
 
 def user_data(cfg: DataConfig) -> DataSplits:
     """The datasets data.factory returns (`UserData`), checked on their first samples and on
-    their labels, and served with checked labels (`LabelChecked`)."""
+    their labels, and served checked (`SampleChecked`)."""
     where = f"data.factory={cfg.factory}"
     factory = load_factory("data.factory", cfg.factory)
     kwargs = json.loads(cfg.kwargs)
@@ -80,7 +80,7 @@ def user_data(cfg: DataConfig) -> DataSplits:
         dataset = getattr(made, split)
         check_labels(f"{where}: {split}", known_labels(dataset), num_classes)
         if in_memory_numel(dataset) is None:  # ImageTensors' labels are int64, all checked
-            dataset = LabelChecked(dataset, f"{where}: {split}", num_classes)
+            dataset = SampleChecked(dataset, f"{where}: {split}", num_classes, shape)
         splits[split] = dataset
     uint8 = any(image.dtype == torch.uint8 for image in images.values())
     mean, std = _factory_stats(where, made, uint8, shape[0])
@@ -206,10 +206,14 @@ def check_normalisation(where: str, name: str, values: Sequence[float], channels
 def _check_sample(where: str, split: str, dataset: Any, shape: tuple[int, ...]) -> torch.Tensor:
     """A factory's dataset is map-style and not empty, and its first sample is an (image,
     label) pair with an image of the declared shape; returns that image."""
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    if isinstance(dataset, IterableDataset) or not (
+        hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    ):
+        kind = "an IterableDataset" if isinstance(dataset, IterableDataset) else "not"
         raise ConfigError(
-            f"{where}: {split} is a {type(dataset).__name__}, not a map-style dataset "
-            "(__len__ and __getitem__)"
+            f"{where}: {split} is a {type(dataset).__name__}, {kind} a map-style dataset "
+            "(__len__ and __getitem__(index)): the sampler shards, shuffles and resumes by "
+            "index. Give the class a __getitem__, or return the samples as a list"
         )
     if len(dataset) == 0:
         raise ConfigError(f"{where}: the {split} dataset is empty")
@@ -283,7 +287,7 @@ def _bad_label(where: str, index: int, value: Any, num_classes: int) -> BadLabel
 def check_labels(where: str, labels: Sequence[Any] | torch.Tensor | None, num_classes: int) -> None:
     """Every label an int in [0, num_classes) or IGNORED (`as_label`), else bad input naming
     the first bad index and value; the ignored ones counted in the log. `labels` None: nothing
-    to check before training (`LabelChecked` checks each sample as it is loaded)."""
+    to check before training (`SampleChecked` checks each sample as it is loaded)."""
     if labels is None:
         return
     if isinstance(labels, torch.Tensor) and labels.ndim == 1 and not labels.is_floating_point():
@@ -310,18 +314,32 @@ def check_labels(where: str, labels: Sequence[Any] | torch.Tensor | None, num_cl
         )
 
 
-class LabelChecked(Dataset):
-    """A factory's dataset with each label checked and made an int as it is loaded: a label
-    `known_labels` could not read ahead still fails naming its sample, not deep in the loss."""
+class BadSample(ConfigError):
+    """A sample whose image is not a tensor of the declared input_shape; the message names the
+    dataset, the sample's index, its shape and the fix."""
 
-    def __init__(self, base: Dataset, where: str, num_classes: int) -> None:
-        self.base, self.where, self.num_classes = base, where, num_classes
+
+class SampleChecked(Dataset):
+    """A factory's dataset with each sample checked as it is loaded: the label made an int in
+    range (one `known_labels` could not read ahead still fails naming its sample, not deep in
+    the loss), and the image of `shape` (one of another size failed in the batch's stack with
+    a traceback naming no sample)."""
+
+    def __init__(self, base: Dataset, where: str, num_classes: int, shape: tuple[int, ...]):
+        self.base, self.where, self.num_classes, self.shape = base, where, num_classes, shape
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image, value = self.base[index]
+        if not isinstance(image, torch.Tensor) or tuple(image.shape) != self.shape:
+            got = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+            raise BadSample(
+                f"{self.where}[{index}]'s image is {got}, not a tensor of input_shape="
+                f"{self.shape}: a batch stacks samples of one shape, so resize or crop every "
+                "sample to it in the dataset"
+            )
         label = as_label(value)
         if label is None or not (0 <= label < self.num_classes or label == IGNORED):
             raise _bad_label(self.where, index, value, self.num_classes)

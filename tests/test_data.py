@@ -715,3 +715,41 @@ def test_a_factory_that_augments_its_own_samples_is_said_and_can_opt_out(
         )
         assert said in caplog.text, caplog.text
         assert not unchanged  # shifted or flipped: our augmentation ran
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A stream with a length, as users write them."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __iter__(self):
+        return iter([(torch.zeros(1, 8, 8, dtype=torch.uint8), 0)] * 16)
+
+
+def test_an_iterable_dataset_is_refused_naming_the_fix(monkeypatch) -> None:
+    """Before, `dataset[0]` raised torch's NotImplementedError: exit 1 and a traceback."""
+    cfg = user_factory(monkeypatch, lambda root, n: {**ONE_BY_8, "train": Stream()})
+    with pytest.raises(ConfigError, match=r"train is a Stream, an IterableDataset a map-style"):
+        data.build_datasets(cfg, 0, info())
+
+
+def test_a_sample_of_another_size_is_named_by_index(monkeypatch) -> None:
+    """Before, sample 5's 9x9 image failed in default_collate's torch.stack ("stack expects
+    each tensor to be equal size"), naming no sample: exit 1."""
+    samples = [(torch.zeros(1, 9 if i == 5 else 8, 8, dtype=torch.uint8), i % 2) for i in range(16)]
+
+    class Sized(torch.utils.data.Dataset):  # no labels to read ahead: checked as loaded
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, index: int):
+            return samples[index]
+
+    made = {**ONE_BY_8, "train": Sized(), "eval": Sized()}
+    cfg = dataclasses.replace(user_factory(monkeypatch, lambda root, n: made), batch_size=16)
+    splits = data.build_datasets(cfg, 0, info())
+    loader = train_loader(splits, dataclasses.replace(cfg, augment=False), info(), 0)
+    data.set_epoch(loader, 0)
+    with pytest.raises(ConfigError, match=r"train\[5\]'s image is \(1, 9, 8\), not a tensor of"):
+        list(loader)
