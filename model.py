@@ -381,18 +381,23 @@ def _check_training(
 
 
 def _classifier_keys(model: nn.Module) -> set[str]:
-    """The state-dict keys of the model's classifier: the last Linear or 1x1 convolution
+    """The state-dict keys of the model's classifier heads: the last Linear or 1x1 convolution
     registered (squeezenet's classifier is `classifier.1`, a 1x1 convolution whose output
-    channels are the classes), else the last Linear layer."""
+    channels are the classes), else the last Linear layer; and every other Linear of that
+    head's shape (a distilled DeiT's `head` and `head_dist`, averaged into the logits)."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)]
-    linears = [name for name, m in layers if isinstance(m, nn.Linear)]
-    name = layers[-1][0] if layers else None
-    if layers and isinstance(layers[-1][1], nn.Conv2d) and layers[-1][1].kernel_size != (1, 1):
-        name = linears[-1] if linears else None  # a body convolution, not a classifier
-    if name is None:
+    linears = [(name, m) for name, m in layers if isinstance(m, nn.Linear)]
+    head = layers[-1] if layers else None
+    if head and isinstance(head[1], nn.Conv2d) and head[1].kernel_size != (1, 1):
+        head = linears[-1] if linears else None  # a body convolution, not a classifier
+    if head is None:
         return set()
-    prefix = f"{name}." if name else ""
-    return {f"{prefix}weight", f"{prefix}bias"}
+    heads = [head[0]]
+    if isinstance(head[1], nn.Linear):
+        shape = head[1].weight.shape
+        heads += [name for name, m in linears if name != head[0] and m.weight.shape == shape]
+    prefixes = [f"{name}." if name else "" for name in heads]
+    return {f"{prefix}{key}" for prefix in prefixes for key in ("weight", "bias")}
 
 
 def _dropped_heads(model: nn.Module, keys: list[str]) -> list[str]:

@@ -185,6 +185,36 @@ def test_pretrained_weights_keep_the_body_fit_the_stem_and_leave_the_classifier(
     assert torch.equal(model.fc.weight, classifier)  # 10 classes, not 1000: as built
 
 
+class TwoHeads(nn.Module):
+    """A distilled DeiT's shape: a class head and a distillation head of the same shape, whose
+    logits are averaged at inference."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.body = nn.Linear(12, 16)
+        self.head = nn.Linear(16, num_classes)
+        self.head_dist = nn.Linear(16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.body(x.flatten(1)).relu()
+        return (self.head(features) + self.head_dist(features)) / 2
+
+
+def test_a_model_with_two_classifier_heads_fine_tunes_from_its_own_weights(tmp_path) -> None:
+    """Before, only the last Linear counted as the classifier: `head` of the 1000-class file
+    was 'misshapen' and the weights could not be used at all."""
+    path = tmp_path / "deit.pt"
+    source = TwoHeads(1000)
+    torch.save(source.state_dict(), path)
+    model = TwoHeads(10)
+    heads = (model.head.weight.clone(), model.head_dist.weight.clone())
+    models.load_weights(model, str(path))
+    assert torch.equal(model.body.weight, source.body.weight)
+    assert torch.equal(model.head.weight, heads[0]) and torch.equal(
+        model.head_dist.weight, heads[1]
+    )
+
+
 def test_weights_that_do_not_fit_are_bad_input_naming_the_keys(tmp_path) -> None:
     path = tmp_path / "mini.pt"
     torch.save(MiniResNet(in_channels=1, num_classes=10).state_dict(), path)
