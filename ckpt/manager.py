@@ -440,12 +440,15 @@ class CheckpointManager:
         math: settings, the global batch, the data."""
         info = self.info
         old, new = _flatten(state["config"]), _flatten(self.record.config)
+        # A setting newer than the checkpoint ran as its default did (a new option's default
+        # keeps the old behaviour): only a value other than that is a change.
+        defaults = _flatten(Config().to_dict())
         changed = [
-            f"{key} {old.get(key)!r} -> {new[key]!r}"
+            f"{key} {old.get(key, '(not in that version)')!r} -> {new[key]!r}"
             for key in sorted(new)
             if key.split(".")[0] in MATH_SECTIONS
             and key not in NON_MATH_KEYS
-            and old.get(key) != new[key]
+            and old.get(key, defaults.get(key)) != new[key]
         ]
         this_batch = self.record.global_batch_size
         if state["global_batch_size"] != this_batch:

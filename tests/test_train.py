@@ -124,6 +124,21 @@ def test_same_global_batch_on_another_world_size_changes_no_math(caplog) -> None
     assert "change the training math" not in caplog.text
 
 
+def test_a_setting_newer_than_the_checkpoint_is_a_change_only_off_its_default(caplog) -> None:
+    """Before, a checkpoint from before train.deterministic existed resumed with the warning
+    'train.deterministic None -> False': a change of nothing."""
+    cfg = Config()
+    older = cfg.to_dict()
+    del older["train"]["deterministic"]
+    with caplog.at_level("WARNING"):
+        resume(cfg, saved_state(cfg, config=older))
+    assert "change the training math" not in caplog.text, caplog.text
+    on = parse_args(["--train.deterministic=true"])
+    with caplog.at_level("WARNING"):
+        resume(on, saved_state(on, config=older))
+    assert "train.deterministic '(not in that version)' -> True" in caplog.text, caplog.text
+
+
 def test_position_beyond_this_dataset_is_refused() -> None:
     cfg = Config()
     position = {"step": 30, "epoch": 1, "samples_in_epoch": 70000}
