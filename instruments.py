@@ -150,7 +150,9 @@ class Instruments:
         rank's last heartbeat in the log (which peer was behind)."""
         self.total_steps = total_steps
         self.watchdog.start()
-        self.profiler = _profiler(self.cfg, self.paths.profile, self.info, self.position.step)
+        self.profiler = _profiler(
+            self.cfg, self.paths.profile, self.info, self.position.step, total_steps
+        )
         try:
             bar = _progress_bar(self.settings.progress, self.info, total_steps, self.position.step)
             with bar as self.bar:
@@ -322,16 +324,25 @@ class Instruments:
             )
 
 
-def _profiler(cfg: LogConfig, trace_dir: Path, info: DistInfo, first_step: int) -> Any:
+def _profiler(
+    cfg: LogConfig, trace_dir: Path, info: DistInfo, first_step: int, total_steps: int
+) -> Any:
     """torch.profiler recording optimizer steps [START, END) of log.profile_steps (those
-    still ahead of `first_step`), written under `trace_dir` for TensorBoard's profiler tab;
-    None when off."""
+    still ahead of `first_step`, and before the run's last), written under `trace_dir` for
+    TensorBoard's profiler tab; None when off. A window outside the run is said, not ignored:
+    a trace is written only once its window is complete."""
     if not cfg.profile_steps:
         return None
+    given = f"log.profile_steps={','.join(map(str, cfg.profile_steps))}"
     start, end = cfg.profile_steps
-    start = max(start, first_step)
+    start, end = max(start, first_step), min(end, total_steps)
     if start >= end:
+        if info.is_main:
+            where = f"steps {first_step}-{total_steps - 1}" if first_step < total_steps else "none"
+            log.warning("%s: no profiler trace; the steps left to this run: %s", given, where)
         return None
+    if end < cfg.profile_steps[1] and info.is_main:
+        log.warning("%s: the run ends at step %d, so the trace ends there", given, total_steps)
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
     ahead = start - first_step  # steps before the window; one of them warms the profiler up

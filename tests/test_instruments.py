@@ -48,3 +48,22 @@ def test_instruments_work_from_the_log_section_and_the_facts_they_are_given(tmp_
     ]
     traces = list(Path(paths.profile).glob("rank0*.pt.trace.json"))
     assert len(traces) == 1
+
+
+def test_a_profile_window_outside_the_run_is_said(tmp_path, caplog) -> None:
+    """Before, log.profile_steps=5,8 on a run of 2 steps recorded nothing without a word."""
+    cfg = LogConfig(every_steps=1, profile_steps=(5, 8), tensorboard=False)
+    paths, position = RunPaths(tmp_path), parts.Position()
+    settings = auto.Auto("none", None, False, False, "foreach", "plain", "none", False, "file")
+    writer = MetricsWriter(tmp_path, True, cfg.tensorboard)
+    layout = Layout("ddp", shards=False, world_size=1)
+    instruments = Instruments(
+        cfg, ONE, None, layout, settings, writer, position, lambda: 0.25, paths, 0, 600.0
+    )
+    instruments.open(resume_step=0, pending_eval=False)
+    with caplog.at_level("WARNING"), instruments.running(total_steps=2):
+        pass
+    instruments.close()
+    said = "log.profile_steps=5,8: no profiler trace; the steps left to this run: steps 0-1"
+    assert said in caplog.text, caplog.text
+    assert not list(Path(paths.profile).glob("*.pt.trace.json"))
