@@ -225,7 +225,14 @@ class Instruments:
             figures |= saturation.reduce(samples)
             if self.info.is_main:
                 on_gpu = self.info.device.type == "cuda"
-                advice = saturation.advice(figures, self.num_workers, on_gpu, self.settings.compile)
+                advice = saturation.advice(
+                    figures,
+                    self.num_workers,
+                    on_gpu,
+                    self.settings.compile,
+                    self.settings.loader,
+                    self.settings.decode,
+                )
                 self.advisor.consider(advice)
         if self.flops_per_sample:
             per_rank = self.flops_per_sample * figures["samples_per_s"] / self.info.world_size

@@ -142,23 +142,44 @@ def reduce(samples: Sequence[Sequence[float]]) -> dict[str, float]:
 
 
 def advice(
-    figures: dict[str, float], num_workers: int, on_gpu: bool, compiled: bool = False
+    figures: dict[str, float],
+    num_workers: int,
+    on_gpu: bool,
+    compiled: bool = False,
+    loader: str = "dataloader",
+    decode: str = "none",
 ) -> list[tuple[str, str]]:
     """(kind, what to do) for each way the figures (a train row: data_wait_frac and the
     reduced usage) show the hardware held back. `compiled`: the model runs under
-    torch.compile already, so that is not advised."""
+    torch.compile already, so that is not advised; `loader` and `decode` (data.loader and
+    data.decode as resolved): what the run already uses is not advised either."""
     found = []
     wait = figures.get("data_wait_frac", 0.0)
     busy = figures.get("cpu_loader_worker_frac_median", math.nan)
-    if wait > DATA_WAIT_HIGH and num_workers > 0 and busy >= WORKER_BUSY:
+    elsewhere = _off_the_cpu(on_gpu, decode)
+    if wait > DATA_WAIT_HIGH and loader == "device":
+        found.append(
+            (
+                "device-loader",
+                f"data wait is {100 * wait:.0f}% of the step with data.loader=device: each batch "
+                "is gathered and augmented by the training process on its device, and the wait "
+                "is that work"
+                + (
+                    ""
+                    if on_gpu
+                    else "; on a CPU it takes the training cores: data.loader=dataloader "
+                    "with data.num_workers moves it to cores of its own"
+                ),
+            )
+        )
+    elif wait > DATA_WAIT_HIGH and num_workers > 0 and busy >= WORKER_BUSY:
         found.append(
             (
                 "loader-cpu-bound",
                 f"data wait is {100 * wait:.0f}% of the step and the {num_workers} loader "
                 f"workers per rank are CPU-bound ({100 * busy:.0f}% of a core each): add workers "
-                "(data.num_workers, if the node has idle cores), or move the work off the CPU "
-                "(data.loader=device for in-memory datasets, data.decode=device for image "
-                "folders on a GPU)",
+                "(data.num_workers, if the node has idle cores)"
+                + (f", or move the work off the CPU ({elsewhere})" if elsewhere else ""),
             )
         )
     elif wait > DATA_WAIT_HIGH and num_workers == 0:
@@ -167,7 +188,7 @@ def advice(
                 "loader-in-process",
                 f"data wait is {100 * wait:.0f}% of the step with data.num_workers=0: the "
                 "training process loads its own batches; use loader workers "
-                "(data.num_workers) or data.loader=device",
+                f"(data.num_workers){f' or {elsewhere}' if elsewhere else ''}",
             )
         )
     util = figures.get("gpu_util_pct_median", math.nan)
@@ -181,6 +202,16 @@ def advice(
             )
         )
     return found
+
+
+def _off_the_cpu(on_gpu: bool, decode: str) -> str:
+    """The setting that moves loading off the CPU, where the run does not use it yet: an image
+    folder's decoding to the GPU, or an in-memory dataset to the device loader."""
+    if decode == "workers":
+        return "data.decode=device on a GPU" if on_gpu else ""
+    if decode == "device":
+        return ""
+    return "data.loader=device for an in-memory dataset"
 
 
 def oversubscribed(local_ranks: int, num_workers: int, cores: int) -> str | None:

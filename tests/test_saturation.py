@@ -137,6 +137,14 @@ def test_advice_names_what_to_change() -> None:
     assert saturation.advice(small, num_workers=2, on_gpu=False) == []  # no GPU to underuse
     starved = {"data_wait_frac": 0.3, "gpu_util_pct_median": 35.0}  # the loader's fault
     assert [k for k, _ in saturation.advice(starved, 0, on_gpu=True)] == ["loader-in-process"]
+    # What the run already uses is not advised: before, a run with data.loader=device (whose
+    # data.num_workers is 0) was told to "use ... data.loader=device".
+    ((kind, message),) = saturation.advice(starved, 0, on_gpu=False, loader="device")
+    assert kind == "device-loader" and "data.loader=dataloader with data.num_workers" in message
+    ((kind, message),) = saturation.advice(busy, 2, on_gpu=True, decode="device")
+    assert kind == "loader-cpu-bound" and "data.decode=device" not in message
+    ((_, message),) = saturation.advice(busy, 2, on_gpu=True, decode="workers")
+    assert "or move the work off the CPU (data.decode=device on a GPU)" in message
 
 
 def test_oversubscription_counts_every_local_ranks_workers() -> None:
@@ -201,11 +209,14 @@ def test_a_cpu_bound_loader_and_a_crowded_node_are_reported(tmp_path) -> None:
     env = {"PYTHONPATH": str(tmp_path)}
     one = launch(None, f"--run.dir={tmp_path / 'one'}", *args, "--data.num_workers=1", env=env)
     assert one.returncode == 0, one.output[-4000:]
-    assert "loader workers per rank are CPU-bound" in one.output
-    assert "add workers (data.num_workers" in one.output
-    last = rows(tmp_path / "one", "train")[-1]
-    assert last["data_wait_frac"] > 0.5 and last["cpu_loader_worker_frac_median"] > 0.8
-    assert last["cpu_trainer_cores_max"] < last["cpu_loader_cores_max"]
+    train_rows = rows(tmp_path / "one", "train")
+    assert all(r["data_wait_frac"] > saturation.DATA_WAIT_HIGH for r in train_rows)
+    # Whether a spinning worker gets the 80% of a core that makes it "CPU-bound" depends on how
+    # busy the machine is (a share of a core is a measurement, not a test): the advice must be
+    # given exactly when a row's figures met its thresholds.
+    bound = any(r["cpu_loader_worker_frac_median"] >= saturation.WORKER_BUSY for r in train_rows)
+    assert ("loader workers per rank are CPU-bound" in one.output) == bound, train_rows
+    assert ("add workers (data.num_workers" in one.output) == bound
     cores = saturation.available_cores()
     nvtx = "--log.nvtx=true"  # NVTX calls for real (without Nsight attached they cost nothing)
     crowded = launch(
