@@ -374,9 +374,19 @@ def _profiler(
     return prof
 
 
-def _progress_bar(progress: bool, info: DistInfo, total: int, initial: int) -> Any:
+@contextlib.contextmanager
+def _progress_bar(progress: bool, info: DistInfo, total: int, initial: int) -> Iterator[Any]:
+    """The bar (None when off). While it is shown, log lines go through tqdm.write, which
+    clears the bar, writes the line and draws the bar again below it: written straight to
+    the terminal they landed on the bar's line."""
     if not (info.is_main and progress):
-        return contextlib.nullcontext()
+        yield None
+        return
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+    with (
+        logging_redirect_tqdm(),
+        tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False) as bar,
+    ):
+        yield bar

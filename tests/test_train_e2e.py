@@ -596,3 +596,25 @@ def test_an_evaluation_set_smaller_than_the_world_size_is_evaluated_exactly(tmp_
     assert done.returncode == 0, done.output[-4000:]
     (row,) = rows(run_dir, "eval")
     assert row["num_samples"] == 1 and row["accuracy"] in (0.0, 1.0)
+
+
+def test_log_lines_never_land_on_the_progress_bars_line(tmp_path) -> None:
+    """With the bar on (log.progress=on; auto shows it on a terminal), each log line starts a
+    line of its own. Before, a train row written while the bar was drawn followed the bar's
+    text on its line ('\\r 40%|####  | 4/10 [...]12:00:01 [rank 0] INFO ...'). Read as bytes:
+    text mode would turn the bar's carriage returns into newlines."""
+    args = tiny_job_args(tmp_path / "run", log_progress="on", log_every_steps=1, train_max_steps=6)
+    done = subprocess.run(
+        train_command(None, *args),
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        timeout=240,
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 0, err[-3000:]
+    assert "step/s]" in err or "s/step]" in err  # the bar was drawn
+    logged = [line for line in err.split("\n") if "[rank 0] INFO" in line]
+    assert len(logged) >= 6
+    for line in logged:  # what a terminal shows: the text after the line's last carriage return
+        assert re.match(r"\d\d:\d\d:\d\d \[rank 0\]", line.rsplit("\r", 1)[-1]), repr(line)
