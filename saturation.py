@@ -158,20 +158,7 @@ def advice(
     busy = figures.get("cpu_loader_worker_frac_median", math.nan)
     elsewhere = _off_the_cpu(on_gpu, decode)
     if wait > DATA_WAIT_HIGH and loader == "device":
-        found.append(
-            (
-                "device-loader",
-                f"data wait is {100 * wait:.0f}% of the step with data.loader=device: each batch "
-                "is gathered and augmented by the training process on its device, and the wait "
-                "is that work"
-                + (
-                    ""
-                    if on_gpu
-                    else "; on a CPU it takes the training cores: data.loader=dataloader "
-                    "with data.num_workers moves it to cores of its own"
-                ),
-            )
-        )
+        found.append(("device-loader", _device_loader_wait(wait, on_gpu)))
     elif wait > DATA_WAIT_HIGH and num_workers > 0 and busy >= WORKER_BUSY:
         found.append(
             (
@@ -202,6 +189,15 @@ def advice(
             )
         )
     return found
+
+
+def _device_loader_wait(wait: float, on_gpu: bool) -> str:
+    cpu = "; on a CPU it takes the training cores: data.loader=dataloader with data.num_workers "
+    return (
+        f"data wait is {100 * wait:.0f}% of the step with data.loader=device: each batch is "
+        "gathered and augmented by the training process on its device, and the wait is that "
+        "work" + ("" if on_gpu else cpu + "moves it to cores of its own")
+    )
 
 
 def _off_the_cpu(on_gpu: bool, decode: str) -> str:
