@@ -407,15 +407,25 @@ def _dropped_heads(model: nn.Module, keys: list[str]) -> list[str]:
     return [key for key in keys if "." in key and getattr(model, key.split(".")[0], 0) is None]
 
 
+def evaluated_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The state dict a checkpoint's run evaluated, and so the one its logged and best accuracy
+    belong to: the weight average (its "ema" part) when train.ema_decay was on, else the model's
+    ("model"). Resuming uses both; inference and fine-tuning want this one."""
+    average = checkpoint.get("ema")
+    if isinstance(average, dict) and isinstance(average.get("weights"), dict):
+        return average["weights"]
+    return checkpoint["model"]
+
+
 def _bare(state: Any) -> dict[str, torch.Tensor] | None:
-    """A state dict of tensors out of what a weights file holds: a bare state dict, or one
-    under "model" or "state_dict" (this pipeline's checkpoints, timm, Lightning), with DDP's
-    `module.` and torch.compile's `_orig_mod.` prefixes removed."""
+    """A state dict of tensors out of what a weights file holds: a bare state dict, one under
+    "state_dict" (timm, Lightning), or this pipeline's checkpoint (`evaluated_weights`), with
+    DDP's `module.` and torch.compile's `_orig_mod.` prefixes removed."""
     if isinstance(state, dict):
-        for key in ("model", "state_dict"):
-            if isinstance(state.get(key), dict):
-                state = state[key]
-                break
+        if isinstance(state.get("model"), dict):
+            state = evaluated_weights(state)
+        elif isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
     ):

@@ -251,18 +251,22 @@ def test_consolidate_writes_one_file_that_loads_with_weights_only(tmp_path) -> N
     state["ema"] = {"updates": 3, "weights": {"w": torch.full((5, 3), 0.5)}}
     folder = save_alone(state, tmp_path / "checkpoints", 7)
     weights = tmp_path / "weights.pt"
-    proc = consolidate(str(folder), f"--weights={weights}")
+    proc = consolidate(str(folder), f"--weights={weights}", "--trained")
     assert proc.returncode == 0, proc.stderr
     loaded = torch.load(weights, weights_only=True)
     assert loaded.keys() == {"w", "b"} and torch.equal(loaded["w"], torch.full((5, 3), 2.5))
-    average = tmp_path / "average.pt"
-    assert consolidate(str(folder), f"--weights={average}", "--ema").returncode == 0
-    assert torch.equal(torch.load(average, weights_only=True)["w"], torch.full((5, 3), 0.5))
+    # The weights the run evaluated by default: the average (before: the model's, whose
+    # accuracy was never the one logged).
+    for average, extra in ((tmp_path / "average.pt", "--ema"), (tmp_path / "evaluated.pt", "")):
+        assert (
+            consolidate(str(folder), f"--weights={average}", *filter(None, [extra])).returncode == 0
+        )
+        assert torch.equal(torch.load(average, weights_only=True)["w"], torch.full((5, 3), 0.5))
     out = tmp_path / "one"
     assert consolidate(str(folder), f"--out={out}").returncode == 0
     whole = storage.load(out / "step_7.pt", CPU)  # a checkpoint file with its manifest
     assert torch.equal(whole["model"]["w"], torch.full((5, 3), 2.5)) and whole["step"] == 7
-    again = consolidate(str(folder), f"--weights={weights}")
+    again = consolidate(str(folder), f"--weights={weights}", "--trained")
     assert again.returncode == 2 and "exists already" in again.stderr
 
 
