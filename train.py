@@ -307,15 +307,20 @@ class Trainer:
                 resumed.path,
             )
         self.pending_eval = resumed.pending_eval
+        pos = self.position
         log.info(
             "resuming from %s at step %d (epoch %d, %d samples into it)",
-            resumed.path,
-            self.position.step,
-            self.position.epoch,
-            self.position.samples_in_epoch,
+            *(resumed.path, pos.step, pos.epoch, pos.samples_in_epoch),
         )
         ends = resumed.meta.get("total_steps", self.total_steps)
-        if ends != self.total_steps and self.info.is_main:  # the same on every rank
+        if resumed.meta.get("step") == ends < self.total_steps and self.info.is_main:
+            accuracy, root, steps = resumed.meta.get("eval_accuracy"), self.paths.root, ends
+            log.warning(
+                f"run.dir={root} holds a run that finished at step {steps} (eval accuracy "
+                f"{accuracy}): extending it to step {self.total_steps}. A new experiment "
+                "belongs in a new run.dir"
+            )
+        elif ends != self.total_steps and self.info.is_main:  # the same on every rank
             log.warning(
                 "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
                 "the world size changed): the cosine learning-rate schedule is stretched to "

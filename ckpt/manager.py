@@ -430,7 +430,9 @@ class CheckpointManager:
         changed = self._math_changes(state)
         if changed:
             log.warning(
-                "resuming %s with settings that change the training math: %s",
+                "resuming %s with settings that change the training math: %s. The run "
+                "continues with both (its results mix them); a new experiment belongs in a "
+                "new run.dir",
                 path,
                 "; ".join(changed),
             )

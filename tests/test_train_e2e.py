@@ -663,3 +663,21 @@ def test_the_best_checkpoints_weights_give_the_logged_accuracy(tmp_path) -> None
     assert loss == pytest.approx(logged["loss"], rel=1e-5)
     _, trained_loss = evaluate(state["model"])  # the test tells the two apart
     assert trained_loss != pytest.approx(logged["loss"], rel=1e-5)
+
+
+def test_a_finished_run_extended_or_continued_with_new_settings_is_said(tmp_path) -> None:
+    """A second experiment in the same run dir (runs/default when --run.dir is left out) used to
+    continue the first one with a line that did not say so: 'the run now ends at step 32
+    instead of 16' for a finished run given more epochs."""
+    run_dir = tmp_path / "run"
+    first = launch(None, *tiny_job_args(run_dir, train_epochs=1))
+    assert first.returncode == 0, first.output[-3000:]
+    accuracy = rows(run_dir, "eval")[-1]["accuracy"]
+    more = launch(None, *tiny_job_args(run_dir, train_epochs=2, optim_lr=0.05))
+    assert more.returncode == 0, more.output[-3000:]
+    said = (
+        f"run.dir={run_dir} holds a run that finished at step 16 (eval accuracy {accuracy}): "
+        "extending it to step 32. A new experiment belongs in a new run.dir"
+    )
+    assert said in more.output, more.output[-3000:]
+    assert "optim.lr 0.2 -> 0.05. The run continues with both (its results mix them)" in more.output
