@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -113,3 +114,29 @@ def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits)
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
     log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
     return models.build(cfg.model, splits.input_shape, splits.num_classes)
+
+
+def count_flops(
+    model: nn.Module,
+    sample: torch.Tensor,
+    count: Callable[[nn.Module, torch.Tensor], None],
+    rebuild: Callable[[], nn.Module],
+    is_main: bool,
+) -> None:
+    """log.mfu: `count` the FLOPs of `model` on `sample`; a sharded model's on a copy that
+    `rebuild` builds on the meta device (a shard cannot run alone, a copy takes no memory)."""
+    sharded = parallel.is_sharded(model)
+    try:
+        if sharded:
+            with torch.device("meta"):
+                model = rebuild()
+            sample = sample.to("meta")
+        count(model, sample)
+    except Exception as err:
+        if not sharded:
+            raise
+        # A forward that reads values (.item(), data-dependent control flow) cannot
+        # run on the meta device: the run trains, without an MFU figure.
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if is_main:
+            log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)
