@@ -282,7 +282,11 @@ def parallelize(
         timer = getattr(wrapped, "allreduce_timer", None)
     _placed[:] = [Placement(strategy, info.world_size, whole, mine)]
     if compile:
-        wrapped = torch.compile(wrapped)
+        # Under fsdp each unit's forward is a frame of its own (FSDP's hooks break the graph),
+        # so one block class meets several shapes (its stages' widths), and dynamo's second
+        # compile of it makes the shapes symbolic, which Inductor's BatchNorm cannot lower
+        # ("Cannot convert expression to float"): a static graph per shape instead.
+        wrapped = torch.compile(wrapped, dynamic=False if mesh is not None else None)
     return Parallel(strategy=strategy, model=wrapped, bare=model, comm_timer=timer, mesh=mesh)
 
 
