@@ -91,7 +91,7 @@ class Trainer:
         self.build_schedule()
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
-        model = build.build_model(cfg, splits, info, self.auto.channels_last, self.layout)
+        model = build.build_model(cfg, splits, info, self.preprocess, self.layout)
         self.parallel = parallel.parallelize(
             model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
         )
