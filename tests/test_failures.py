@@ -13,6 +13,7 @@ from test_imagefolder import make_folder
 
 from distributed import DistInfo
 from inputs import failures, imagefolder, sampling
+from resilience import StepGuard
 
 BATCH = 2  # per rank: 32 images, 2 ranks, 8 steps an epoch
 
@@ -158,3 +159,14 @@ def test_an_error_rebuilt_from_a_worker_keeps_its_message_and_class() -> None:
         assert "data.factory=m:f: train[0] failed to load: " in str(caught.value)
         if kind is failures.SampleIOError:
             assert caught.value.errno == errno.ESTALE
+
+
+def test_a_failed_load_skips_the_step_without_counting_it_as_non_finite() -> None:
+    """The step's vote carries "my batch failed to load": the step is skipped and flagged, and
+    neither logged nor counted toward train.max_nonfinite_steps (the stand-in's loss may be
+    anything), so the run stops for the sample, not as a divergence."""
+    guard = StepGuard(DistInfo(0, 0, 1, torch.device("cpu")), 1, check_grad=True)
+    nan = torch.tensor(float("nan"))
+    verdict = guard.agree(nan, nan, None, 3, load_failed=True)
+    assert verdict.load_failed and verdict.skip and guard.consecutive == 0
+    assert not guard.agree(torch.tensor(1.0), torch.tensor(1.0), None, 3).load_failed
