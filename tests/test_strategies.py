@@ -368,8 +368,9 @@ def rank_dependent_model(*, in_channels: int, num_classes: int) -> nn.Module:
 def test_models_a_meta_build_cannot_serve_are_built_on_the_host_or_refused(tmp_path) -> None:
     """A tensor kept as a plain attribute, a forward check that reads values: rank 1 builds in
     host memory instead, and both ranks end with the weights built here. Weights tied across
-    two units: every name is broadcast (fully_shard unties them, as it always has). A factory
-    that builds another model on rank 1 is refused on every rank, naming the difference."""
+    two units: every name is broadcast (the units are one FSDP group: parallel.tied_groups). A
+    factory that builds another model on rank 1 is refused on every rank, naming the
+    difference."""
     for kind, extra in (("plain", ()), ("reads", ()), ("tied", ("--dist.fsdp_units=Linear",))):
         factory = f'--model.kwargs={{"kind": "{kind}"}}'
         ranks = run_ranks(_build_sharded, 2, tmp_path, "test_strategies:odd_model", factory, *extra)
