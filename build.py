@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 import data
+import distributed
 import model as models
 import parallel
 from config import Config, ConfigError
@@ -51,13 +53,18 @@ def build_model(
     cfg: Config,
     splits: data.DataSplits,
     info: DistInfo,
-    channels_last: bool,
+    channels_last: bool | data.Preprocess,
     layout: parallel.Layout,
 ) -> nn.Module:
     """The model (model.name or model.factory) on this rank's device (under fsdp and hybrid:
     in host memory, for parallelize to shard onto the device), the same initial
     weights on every rank; in channels_last memory format as model.channels_last resolved
-    (auto.channels_last, in the run's auto.Auto record). `layout`: the run's parallel.Layout."""
+    (auto.channels_last, in the run's auto.Auto record), or as the training batches'
+    `Preprocess` has it, which `check_channels_last` may turn contiguous. `layout`: the run's
+    parallel.Layout."""
+    preprocess = channels_last if isinstance(channels_last, data.Preprocess) else None
+    if preprocess is not None:
+        channels_last = preprocess.memory_format == torch.channels_last
     # Under fsdp and hybrid the ranks but rank 0 build on the meta device (shapes, no memory,
     # no initialisation): parallelize gives them their shards of rank 0's weights, so only
     # rank 0 ever holds the whole model.
@@ -84,9 +91,72 @@ def build_model(
         # the device holds one unit whole at a time, never the whole model. FSDP2 refuses
         # channels_last parameters (the inputs may still be channels_last, and convolutions
         # then run channels_last): the weights stay contiguous.
+        if preprocess is not None and channels_last:
+            settle_memory_format(model, cfg, info, layout, preprocess, splits.input_shape)
         return model
     memory_format = torch.channels_last if channels_last else torch.preserve_format
-    return model.to(device=info.device, memory_format=memory_format)
+    model = model.to(device=info.device, memory_format=memory_format)
+    if preprocess is not None and channels_last:
+        settle_memory_format(model, cfg, info, layout, preprocess, splits.input_shape)
+    return model
+
+
+def settle_memory_format(
+    model: nn.Module,
+    cfg: Config,
+    info: DistInfo,
+    layout: parallel.Layout,
+    preprocess: data.Preprocess,
+    input_shape: tuple[int, ...],
+) -> None:
+    """The start-up checks (models.build) run contiguous; step 1 runs channels_last. A model
+    that fails there (`x.view(N, -1)` on channels_last activations) is refused under
+    model.channels_last=on, naming it, and trains contiguous under auto, said in a warning
+    (model and batches both). Under fsdp rank 0 checks (the others may hold a meta model)."""
+    error = None
+    if not layout.shards or info.is_main:
+        error = _channels_last_error(model, input_shape)
+    if layout.shards:
+        error = distributed.broadcast_object(error)
+    if error is None:
+        return
+    what = (
+        f"model.factory={cfg.model.factory}"
+        if cfg.model.factory
+        else f"model.name={cfg.model.name}"
+    )
+    if cfg.model.channels_last == "on":
+        raise ConfigError(
+            f"model.channels_last=on: {what} fails on channels_last inputs ({error}), the "
+            "memory format training uses: set --model.channels_last=off, or flatten with "
+            "x.flatten(1) or x.reshape(len(x), -1), which take any memory format"
+        )
+    log.warning(
+        "model.channels_last=auto -> off: %s fails on channels_last inputs (%s); it trains "
+        "in contiguous memory format (x.flatten(1) instead of x.view(N, -1) takes either)",
+        what,
+        error,
+    )
+    model.to(memory_format=torch.contiguous_format)
+    preprocess.memory_format = torch.contiguous_format
+
+
+def _channels_last_error(model: nn.Module, input_shape: tuple[int, ...]) -> str | None:
+    """What an eval-mode forward of two channels_last samples raises (nothing updated, no
+    random number drawn), or None."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    sample = torch.zeros(2, *input_shape, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(sample.contiguous(memory_format=torch.channels_last))
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}"
+    finally:
+        model.train(was_training)
+    return None
 
 
 def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits) -> nn.Module:
@@ -113,3 +183,29 @@ def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits)
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
     log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
     return models.build(cfg.model, splits.input_shape, splits.num_classes)
+
+
+def count_flops(
+    model: nn.Module,
+    sample: torch.Tensor,
+    count: Callable[[nn.Module, torch.Tensor], None],
+    rebuild: Callable[[], nn.Module],
+    is_main: bool,
+) -> None:
+    """log.mfu: `count` the FLOPs of `model` on `sample`; a sharded model's on a copy that
+    `rebuild` builds on the meta device (a shard cannot run alone, a copy takes no memory)."""
+    sharded = parallel.is_sharded(model)
+    try:
+        if sharded:
+            with torch.device("meta"):
+                model = rebuild()
+            sample = sample.to("meta")
+        count(model, sample)
+    except Exception as err:
+        if not sharded:
+            raise
+        # A forward that reads values (.item(), data-dependent control flow) cannot
+        # run on the meta device: the run trains, without an MFU figure.
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if is_main:
+            log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)

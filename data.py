@@ -20,6 +20,7 @@ from config import ConfigError, DataConfig
 from distributed import DistInfo
 from inputs import imagefolder
 from inputs.augment import Augmented
+from inputs.failures import NamedSamples
 from inputs.loaders import (
     DecodingLoader,
     DeviceLoader,
@@ -172,7 +173,8 @@ def build_train_loader(
     `DecodingLoader`."""
     if splits.augmented:  # the dataset's own augmentation, not ours on top (inputs.user)
         cfg = replace(cfg, augment=False)
-    dataset = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
+    augmented = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
+    dataset = NamedSamples(augmented, splits.train, cfg.source)  # a failure names its sample
     sampler = EpochSampler(dataset, info, seed)
     if len(sampler) < cfg.batch_size:
         raise ConfigError(
@@ -188,7 +190,8 @@ def build_train_loader(
     options |= loader_options(cfg, info, seed)
     if decode == "device":  # the decoders read pageable memory: nothing to pin
         options["pin_memory"] = False
-        encoded = StopSafeLoader(Encoded(splits.train), collate_fn=collate_encoded, **options)
+        files = NamedSamples(Encoded(splits.train), splits.train, cfg.source)
+        encoded = StopSafeLoader(files, collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
     return StopSafeLoader(dataset, **options)
 

@@ -282,7 +282,11 @@ def parallelize(
         timer = getattr(wrapped, "allreduce_timer", None)
     _placed[:] = [Placement(strategy, info.world_size, whole, mine)]
     if compile:
-        wrapped = torch.compile(wrapped)
+        # Under fsdp each unit's forward is a frame of its own (FSDP's hooks break the graph),
+        # so one block class meets several shapes (its stages' widths), and dynamo's second
+        # compile of it makes the shapes symbolic, which Inductor's BatchNorm cannot lower
+        # ("Cannot convert expression to float"): a static graph per shape instead.
+        wrapped = torch.compile(wrapped, dynamic=False if mesh is not None else None)
     return Parallel(strategy=strategy, model=wrapped, bare=model, comm_timer=timer, mesh=mesh)
 
 
@@ -343,17 +347,69 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: DistConfig) -> list[nn.Module
     stem, the classifier). Parameters stay fp32 and gradients are reduced in fp32: train.amp
     runs under autocast as with DDP (16-bit parameters would also put the norm layers' weights
     in 16 bits, which BatchNorm refuses beside its fp32 statistics)."""
+    refuse_scalar_parameters(model)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     units = wrap_units(model, cfg.fsdp_units)
-    for unit in units:
+    for group in tied_groups(model, units):
         fully_shard(
-            unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy
+            group if len(group) > 1 else group[0],
+            mesh=mesh,
+            reshard_after_forward=cfg.reshard_after_forward,
+            mp_policy=policy,
         )
     # The root: None lets FSDP2 keep its parameters gathered between forward and backward (its
     # backward starts at once), unless resharding is off altogether.
     root = None if cfg.reshard_after_forward else False
     fully_shard(model, mesh=mesh, reshard_after_forward=root, mp_policy=policy)
     return units
+
+
+def refuse_scalar_parameters(model: nn.Module) -> None:
+    """fully_shard refuses 0-dim parameters (a learned temperature or scale) with a traceback:
+    said as a setting, naming them, before anything is sharded."""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise ConfigError(
+            f"dist.strategy=fsdp cannot shard 0-dim parameters ({', '.join(scalars[:8])}): "
+            "FSDP2 shards every parameter along dim 0. Make each a 1-dim tensor of one element "
+            "(nn.Parameter(torch.ones(1))), or train with --dist.strategy=ddp"
+        )
+
+
+def tied_groups(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Module]]:
+    """`units` grouped so that units sharing a parameter (tied weights) are one FSDP group, as
+    fully_shard requires ("use fully_shard([module_a, module_b])"); a unit sharing one with
+    the rest of the model is left out, its parameters to the root. Each change is logged."""
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    prefixes = [names[id(unit)] + "." for unit in units]
+    holders: dict[int, set[int]] = {}  # parameter -> units holding it (-1: the root)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        held = [i for i, prefix in enumerate(prefixes) if name.startswith(prefix)]
+        holders.setdefault(id(p), set()).add(held[0] if held else -1)
+    group = list(range(len(units)))  # union-find over the units
+
+    def find(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    dropped = {i for held in holders.values() if -1 in held for i in held if i >= 0}
+    for held in holders.values():
+        tied = sorted(held - {-1})
+        for i in tied[1:]:
+            group[find(i)] = find(tied[0])
+    groups: dict[int, list[nn.Module]] = {}
+    for i, unit in enumerate(units):
+        if i not in dropped:
+            groups.setdefault(find(i), []).append(unit)
+    if dropped:
+        left = ", ".join(names[id(units[i])] for i in sorted(dropped))
+        log.info("dist.strategy=fsdp: %s share parameters with the root: not units", left)
+    for members in groups.values():
+        if len(members) > 1:
+            tied = ", ".join(names[id(m)] for m in members)
+            log.info("dist.strategy=fsdp: %s share parameters: one unit", tied)
+    return list(groups.values())
 
 
 def wrap_units(model: nn.Module, setting: str) -> list[nn.Module]:

@@ -106,6 +106,7 @@ class Verdict:
     stop: str | None  # name of the preemption signal some rank received, or None
     nonfinite_ranks: tuple[int, ...]  # ranks whose loss was not finite
     writes_done: bool = True  # no rank's checkpoint writer is still writing
+    load_failed: bool = False  # a rank could not load its batch: skip, checkpoint, stop
 
 
 class StepGuard:
@@ -115,7 +116,8 @@ class StepGuard:
     (the norm is taken after DDP's all-reduce, so it is the same on every rank, but a rank
     without DDP, world size 1, still needs it), one for "a preemption signal arrived here",
     one for "my checkpoint writer is still writing" (a sharded checkpoint's manifest is
-    written at the first step where no rank is).
+    written at the first step where no rank is), one for "my batch failed to load" (it ran on
+    stand-in batches: the step is skipped, uncounted, and the run stops after a checkpoint).
     The result is read on the host once per step: free on CPU, one device sync on CUDA.
     """
 
@@ -126,7 +128,7 @@ class StepGuard:
         self.consecutive = 0
         self.skipped_total = 0
         self._signal_code: dict[str, int] = {}
-        self._flags = torch.zeros(info.world_size + 3, device=info.device)
+        self._flags = torch.zeros(info.world_size + 4, device=info.device)
 
     def agree(
         self,
@@ -135,6 +137,7 @@ class StepGuard:
         stop_signal: str | None,
         step: int,
         writing: bool = False,
+        load_failed: bool = False,
     ) -> Verdict:
         world = self.info.world_size
         flags = self._flags
@@ -146,7 +149,12 @@ class StepGuard:
             flags[world + 1] = 1.0
         if writing:
             flags[world + 2] = 1.0
+        if load_failed:
+            flags[world + 3] = 1.0
         values = distributed.all_reduce_sum(flags).tolist()
+        writes_done = values[world + 2] == 0
+        if values[world + 3] > 0:  # not a non-finite step: neither logged nor counted as one
+            return Verdict(True, stop_signal, (), writes_done, load_failed=True)
         nonfinite_ranks = tuple(rank for rank in range(world) if values[rank] > 0)
         skip = bool(nonfinite_ranks) or values[world] > 0
         stop = None
@@ -173,7 +181,7 @@ class StepGuard:
                 )
         else:
             self.consecutive = 0
-        return Verdict(skip, stop, nonfinite_ranks, writes_done=values[world + 2] == 0)
+        return Verdict(skip, stop, nonfinite_ranks, writes_done=writes_done)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from config import (
     load_factory,
 )
 from distributed import DistInfo
+from inputs import failures
 from instruments import Instruments
 from metrics import MetricsWriter
 from runpaths import RunPaths
@@ -90,7 +91,7 @@ class Trainer:
         self.build_schedule()
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
-        model = build.build_model(cfg, splits, info, self.auto.channels_last, self.layout)
+        model = build.build_model(cfg, splits, info, self.preprocess, self.layout)
         self.parallel = parallel.parallelize(
             model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
         )
@@ -122,6 +123,7 @@ class Trainer:
             splits, cfg.data, info, cfg.train.seed, self.auto.decode
         )
         self.preprocess = data.Preprocess(splits, info.device, self.auto.channels_last)
+        self.stand_in = failures.StandIn(self.preprocess, cfg.data.batch_size, splits.input_shape)
         self.num_train = len(splits.train)  # type: ignore[arg-type]
         self.num_eval = len(splits.eval)  # type: ignore[arg-type]
         # What an evaluation leaves out: an image folder's unreadable images (bad_images=skip),
@@ -134,6 +136,7 @@ class Trainer:
         """Where training stands (the position), and how many steps and samples an epoch has."""
         cfg = self.cfg
         self.position = parts.Position()
+        self.saved_step = 0  # the newest checkpoint's step, written or resumed from
         self.steps_per_epoch = self.steps_left_in_epoch(consumed=0)
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -238,15 +241,14 @@ class Trainer:
     def train_step(self) -> resilience.Verdict:
         """One optimizer step over `grad_accum_steps` micro-batches, agreed on by every rank."""
         with self.instruments.step() as timer:
-            micro_batches = [
-                self.next_micro_batch() for _ in range(self.cfg.train.grad_accum_steps)
-            ]
+            accum = self.cfg.train.grad_accum_steps
+            loaded = failures.StepLoad.load(self.next_micro_batch, accum, self.stand_in)
             timer.loaded()
             self.buffers.take()  # a skipped step must leave BatchNorm statistics alone too
             # Forward and backward of every micro-batch; only the last one all-reduces.
             stats = engine.forward_backward(
                 self.model,
-                micro_batches,
+                loaded.batches,
                 self.optimizer,
                 self.scaler,
                 self.loss_fn,
@@ -262,10 +264,14 @@ class Trainer:
                     self.stop_reason(),
                     self.position.step + 1,
                     writing=self.checkpoints.writing(),
+                    load_failed=loaded.error is not None,
                 )
             except resilience.DivergedError:  # raised on every rank alike: a collective is
                 self.checkpoints.settle()  # safe, and keeps the checkpoint to resume from
                 raise
+            if verdict.load_failed:
+                self.stop_for_a_bad_batch(loaded.error)
+            self.ledger.add(torch.cat(loaded.indices))
             timer.agreed(stats, verdict.skip)
             engine.apply_update(self.optimizer, self.scaler, skip=verdict.skip)
             if verdict.skip:
@@ -289,6 +295,7 @@ class Trainer:
         elif self.cfg.model.weights:
             self.load_weights(self.cfg.model.weights)
         self.checkpoints.total_steps = self.total_steps
+        self.saved_step = self.position.step
         self.warn_if_warmup_shortened()
         # Once resuming is settled (a refused run changes no file), before anything is trained.
         self.settle_run_dir()
@@ -371,24 +378,14 @@ class Trainer:
         # the evaluation set is empty when it has fewer samples than there are ranks.
         zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
         sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
-        probe = self.model
-        sharded = parallel.is_sharded(self.model)
-        try:
-            if sharded:  # a copy of a shard cannot run alone: count on the same model
-                with torch.device("meta"):  # built without storage
-                    probe = models.build(self.cfg.model, self.input_shape, self.num_classes)
-                sample = sample.to("meta")
-            self.instruments.count_flops(
-                probe, sample, self.loss_fn, self.amp_dtype or torch.float32
-            )
-        except Exception as err:
-            if not sharded:
-                raise
-            # A forward that reads values (.item(), data-dependent control flow) cannot
-            # run on the meta device: the run trains, without an MFU figure.
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            if self.info.is_main:
-                log.warning("log.mfu: no FLOP count for this model under fsdp (%s)", first)
+        dtype = self.amp_dtype or torch.float32
+        build.count_flops(
+            self.model,
+            sample,
+            lambda probe, x: self.instruments.count_flops(probe, x, self.loss_fn, dtype),
+            lambda: models.build(self.cfg.model, self.input_shape, self.num_classes),
+            self.info.is_main,
+        )
 
     def load_weights(self, path: str) -> None:
         """Start from the weights in `path` (model.weights), on every rank (collective: a rank
@@ -426,8 +423,8 @@ class Trainer:
                 self.save()
         return None
 
-    def next_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next batch of this rank's shard on the device, counted in the sample ledger."""
+    def next_micro_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The next batch of this rank's shard on the device, and its samples for the ledger."""
         if self.batches is None:  # the sampler continues the epoch where the position says
             data.set_epoch(self.train_loader, self.position.epoch, self.position.samples_in_epoch)
             self.batches = iter(self.train_loader)
@@ -435,8 +432,18 @@ class Trainer:
         images, labels, indices = next(self.batches)
         if labels.device.type == "cpu":  # skipped images (IGNORED) are not trained on
             indices = indices[labels != IGNORED]  # (only a DataLoader yields them)
-        self.ledger.add(indices)
-        return self.preprocess(images, labels)
+        return self.preprocess(images, labels), indices
+
+    def stop_for_a_bad_batch(self, error: Exception | None) -> None:
+        """Collective, once the step's vote says a rank's batch failed to load: checkpoint the
+        steps trained (the failed step is skipped, its statistics restored), then raise on
+        every rank, naming the sample (inputs.failures)."""
+        self.buffers.restore()
+        failures.log_failure(error, self.position.step + 1)
+        if self.position.step > self.saved_step:
+            self.save(wait=True)
+            log.error("checkpoint of step %d written", self.position.step)
+        failures.raise_on_every_rank(self.info, error, self.position.step + 1)
 
     def start_epoch(self, epoch: int) -> None:
         self.position.epoch, self.position.samples_in_epoch = epoch, 0
@@ -514,6 +521,7 @@ class Trainer:
             self.checkpoints.save(
                 self.position.step, accuracy, pending_eval=pending_eval, wait=wait
             )
+        self.saved_step = self.position.step
 
     def stop_if(self, signal_name: str | None) -> None:
         """After a preemption signal: checkpoint where every rank stopped, tell the launcher,

@@ -368,8 +368,9 @@ def rank_dependent_model(*, in_channels: int, num_classes: int) -> nn.Module:
 def test_models_a_meta_build_cannot_serve_are_built_on_the_host_or_refused(tmp_path) -> None:
     """A tensor kept as a plain attribute, a forward check that reads values: rank 1 builds in
     host memory instead, and both ranks end with the weights built here. Weights tied across
-    two units: every name is broadcast (fully_shard unties them, as it always has). A factory
-    that builds another model on rank 1 is refused on every rank, naming the difference."""
+    two units: every name is broadcast (the units are one FSDP group: parallel.tied_groups). A
+    factory that builds another model on rank 1 is refused on every rank, naming the
+    difference."""
     for kind, extra in (("plain", ()), ("reads", ()), ("tied", ("--dist.fsdp_units=Linear",))):
         factory = f'--model.kwargs={{"kind": "{kind}"}}'
         ranks = run_ranks(_build_sharded, 2, tmp_path, "test_strategies:odd_model", factory, *extra)
@@ -608,3 +609,31 @@ def test_fsdp_trains_compiled_and_with_channels_last_inputs(tmp_path) -> None:
         assert states[name]["step"] == 6
     for name in ("compiled", "channels_last"):
         assert max_difference(states[name]["model"], states["eager"]["model"]) < 1e-4, name
+
+
+@pytest.mark.e2e
+def test_fsdp_trains_a_batchnorm_model_compiled(tmp_path) -> None:
+    """Before: fsdp + train.compile=on + BatchNorm (MiniResNet of two stages, 4 and 8 wide)
+    crashed at step 1 with "InductorError: TypeError: Cannot convert expression to float":
+    FSDP's hooks give each block's forward a frame of its own, and dynamo compiled the
+    second block's shapes as symbolic. Now the compiled run trains the same model as eager
+    fsdp within float rounding."""
+    args = [
+        "--data.dataset=synthetic",
+        "--data.synthetic_train_size=32",
+        "--data.synthetic_eval_size=8",
+        "--data.batch_size=4",
+        "--data.num_workers=0",
+        "--train.max_steps=2",
+        "--model.widths=4,8",
+        "--model.norm=batch",
+        "--log.tensorboard=false",
+        "--log.mfu=false",
+        "--dist.timeout_s=600",
+    ]
+    states = {}
+    for name, extra in {"eager": (), "compiled": ("--train.compile=on",)}.items():
+        train(tmp_path / name, 2, "fsdp", *extra, base=args)
+        states[name] = final_state(tmp_path / name)
+        assert states[name]["step"] == 2
+    assert max_difference(states["compiled"]["model"], states["eager"]["model"]) < 1e-4
