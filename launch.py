@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -226,3 +227,14 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
     log.error("%s", advice)
     exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"out of memory: {advice}")
     return exitcodes.EXIT_BAD_INPUT
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO, the others only warnings and errors; every line names its rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )

@@ -625,17 +625,6 @@ class Trainer:
 # The entry point
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO, the others only warnings and errors; every line names its rank."""
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-        force=True,
-    )
-
-
 def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     """One run on this rank: stop signals handled, the run dir held, the Trainer fitted."""
     preemption = resilience.PreemptionHandler(cfg.run.preempt_signals)
@@ -674,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         return exitcodes.EXIT_BAD_INPUT
-    setup_logging(int(os.environ.get("RANK", "0")))
+    launch.setup_logging(int(os.environ.get("RANK", "0")))
     already = launch.launch_was_preempted()
     if already:
         log.warning(
