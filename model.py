@@ -360,19 +360,7 @@ def _check_training(
                 f"logits of shape (2, {num_classes}): {fix}"
             )
         out.float().sum().backward()
-        unused = [
-            name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
-        ]
-        listed = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if unused[8:] else "")
-        if unused and unused_ok:
-            log.info("%s: parameters without a gradient in one step: %s", what, listed)
-        elif unused:
-            raise ConfigError(
-                f"{what} has parameters that get no gradient in training: {listed}. "
-                "DistributedDataParallel fails on them at the first step: remove them from the "
-                "model, freeze them (requires_grad_(False)), or, if they are used on some steps "
-                f"only (LayerDrop), set {UNUSED_SETTING} (ddp and zero)"
-            )
+        _check_gradients(model, what, unused_ok)
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
@@ -381,6 +369,22 @@ def _check_training(
             p.grad = None
         torch.set_rng_state(rng)
         model.train(was_training)
+
+
+def _check_gradients(model: nn.Module, what: str, unused_ok: bool) -> None:
+    """After one backward: every trainable parameter has a gradient, or bad input naming
+    those without (said only, under dist.find_unused_parameters)."""
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    listed = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if unused[8:] else "")
+    if unused and unused_ok:
+        log.info("%s: parameters without a gradient in one step: %s", what, listed)
+    elif unused:
+        raise ConfigError(
+            f"{what} has parameters that get no gradient in training: {listed}. "
+            "DistributedDataParallel fails on them at the first step: remove them from the "
+            "model, freeze them (requires_grad_(False)), or, if they are used on some steps "
+            f"only (LayerDrop), set {UNUSED_SETTING} (ddp and zero)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
