@@ -166,10 +166,14 @@ def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits)
     parameter nor a buffer: nothing would give it values), is built in host memory instead:
     only the memory saving is lost."""
     if device is None:
-        return models.build(cfg.model, splits.input_shape, splits.num_classes)
+        return models.build(
+            cfg.model, splits.input_shape, splits.num_classes, cfg.dist.find_unused_parameters
+        )
     try:
         with device:
-            model = models.build(cfg.model, splits.input_shape, splits.num_classes)
+            model = models.build(
+                cfg.model, splits.input_shape, splits.num_classes, cfg.dist.find_unused_parameters
+            )
         plain = [
             f"{prefix}.{key}" if prefix else key
             for prefix, module in model.named_modules()
@@ -182,7 +186,9 @@ def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits)
     except Exception as err:  # any failure: the host build says what is wrong, if anything
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
     log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
-    return models.build(cfg.model, splits.input_shape, splits.num_classes)
+    return models.build(
+        cfg.model, splits.input_shape, splits.num_classes, cfg.dist.find_unused_parameters
+    )
 
 
 def count_flops(

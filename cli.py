@@ -385,6 +385,7 @@ _SCOPES = (
             "dist.bucket_cap_mb",
             "dist.gradient_as_bucket_view",
             "dist.static_graph",
+            "dist.find_unused_parameters",
             "dist.grad_compression",
         ),
         "dist.strategy=ddp and zero (DistributedDataParallel)",
@@ -454,6 +455,7 @@ def check_given(cfg: Config, given: dict[str, str], origin: dict[str, str]) -> N
 # Settings that do nothing where a run happens to land (one process; a CPU): the same config
 # file may serve runs at every scale, so these are said at start rather than refused.
 _DDP_KNOBS = ("dist.bucket_cap_mb", "dist.gradient_as_bucket_view", "dist.static_graph")
+_DDP_KNOBS += ("dist.find_unused_parameters",)
 _WHERE_IGNORED = (
     (_DDP_KNOBS + ("dist.grad_compression",), "at world size 1 (no DistributedDataParallel)"),
     (("train.cuda_fast_math",), "on a CPU (cuDNN and TF32 are CUDA's)"),

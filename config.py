@@ -531,6 +531,11 @@ class DistConfig(_Section):
     static_graph: bool = False
     """DDP static_graph: the same parameters are used every step (enables
     overlap optimisations; wrong for models with conditional branches)"""
+    find_unused_parameters: bool = False
+    """DDP: parameters may go without a gradient on some steps (LayerDrop,
+    a branch taken by chance); DDP then walks the autograd graph every step
+    to find them. Off: a model with such parameters is refused at start, or
+    at the step that skips one, naming this setting"""
     grad_compression: Literal["none", "fp16", "bf16"] = "none"
     """DDP communication hook: all-reduce gradients in 16 bits (half the
     bytes on the wire; slightly different numerics)"""

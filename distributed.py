@@ -464,7 +464,7 @@ def wrap_model(
     model: nn.Module, info: DistInfo, cfg: DistConfig | None = None, nvtx: bool = False
 ) -> nn.Module:
     """DistributedDataParallel around `model` when there is more than one rank, with the
-    bucket, view, static-graph and gradient-compression settings of `cfg`, and an
+    bucket, view, static-graph, unused-parameter and gradient-compression settings of `cfg`, and an
     `AllReduceTimer` as its communication hook (`model.allreduce_timer`)."""
     if info.world_size == 1:
         return model
@@ -476,6 +476,7 @@ def wrap_model(
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
+        find_unused_parameters=cfg.find_unused_parameters,
     )
     compression = {
         "none": None,

@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 import distributed
 import parallel
 import sharding
-from config import IGNORED, OptimConfig
+from config import IGNORED, ConfigError, OptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -133,7 +133,7 @@ def forward_backward(
         # Only the last micro-step reduces the gradients; forward AND backward sit inside.
         with parallel.gradient_sync(model, enabled=i == num_micro - 1):
             with autocast(device, amp_dtype):
-                logits = model(images)
+                logits = _forward(model, images)
                 loss = loss_fn(logits, labels)
             scaler.scale(loss / num_micro).backward()
         counted = (labels != IGNORED).sum()  # the loss is the mean over these
@@ -146,6 +146,27 @@ def forward_backward(
     grad_norm = sharding.full_tensor(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     num_samples = sum(len(labels) for _, labels in micro_batches)
     return StepStats(loss_sum, correct, num_samples, grad_norm, labelled)
+
+
+# DDP's own words when the previous step left a parameter without its gradient
+# (torch/nn/parallel/distributed.py, Reducer: "Expected to have finished reduction ...").
+_UNUSED = "Expected to have finished reduction in the prior iteration"
+
+
+def _forward(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The model's forward; DDP's error for parameters unused in the previous step (a model
+    whose used parameters change from step to step) as bad input naming the setting."""
+    try:
+        return model(images)
+    except RuntimeError as err:
+        if _UNUSED not in str(err):
+            raise
+        raise ConfigError(
+            "a parameter got no gradient in the previous step, and DistributedDataParallel "
+            "needs every parameter's gradient in every step: a model whose used parameters "
+            "change from step to step (LayerDrop, a branch taken by chance) needs "
+            "--dist.find_unused_parameters=true (ddp and zero; a graph traversal every step)"
+        ) from err
 
 
 def apply_update(

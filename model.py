@@ -21,6 +21,7 @@ import sharding
 from config import MINI_RESNET, ConfigError, ModelConfig, load_factory
 
 log = logging.getLogger(__name__)
+UNUSED_SETTING = "--dist.find_unused_parameters=true"
 
 Norm = Literal["batch", "syncbatch", "group", "none"]
 
@@ -155,10 +156,13 @@ def check(cfg: ModelConfig) -> None:
         )
 
 
-def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+def build(
+    cfg: ModelConfig, input_shape: Sequence[int], num_classes: int, unused_ok: bool = False
+) -> nn.Module:
     """The untrained model for inputs of `input_shape` (C, H, W) and `num_classes` classes, on
     the CPU, checked with one forward pass (a model that cannot take such inputs is bad input,
-    said before any training)."""
+    said before any training). `unused_ok`: dist.find_unused_parameters, under which a
+    parameter without a gradient is allowed."""
     check(cfg)
     kwargs: dict[str, Any] = json.loads(cfg.kwargs)
     in_channels = input_shape[0]
@@ -190,7 +194,7 @@ def build(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.
         model = _torchvision(cfg.name, in_channels, num_classes, kwargs)
         what = f"model.name={cfg.name}"
     _check_forward(model, what, input_shape, num_classes)
-    _check_training(model, what, input_shape, num_classes)
+    _check_training(model, what, input_shape, num_classes, unused_ok)
     return model
 
 
@@ -316,7 +320,7 @@ def _check_forward(
 
 
 def _check_training(
-    model: nn.Module, what: str, input_shape: Sequence[int], num_classes: int
+    model: nn.Module, what: str, input_shape: Sequence[int], num_classes: int, unused_ok: bool
 ) -> None:
     """One training-mode forward and backward of two samples, leaving no trace (buffers, random
     generators and gradients restored): logits of shape (2, num_classes), and a gradient for
@@ -326,9 +330,9 @@ def _check_training(
     inception_v3 with aux_logits: namedtuples), which the eval-mode check cannot see. And a
     parameter without a gradient makes DistributedDataParallel fail at the first step ("Expected
     to have finished reduction in the prior iteration ..."; torch/nn/parallel/distributed.py)
-    unless find_unused_parameters is set, which costs a graph traversal every step and which
-    this pipeline does not expose: refused at any world size, so that a run does not work on
-    one rank and fail on two.
+    unless find_unused_parameters is set (dist.find_unused_parameters, a graph traversal every
+    step): refused otherwise at any world size, so that a run does not work on one rank and
+    fail on two.
     """
     shape = "x".join(map(str, input_shape))
     was_training = model.training
@@ -356,16 +360,7 @@ def _check_training(
                 f"logits of shape (2, {num_classes}): {fix}"
             )
         out.float().sum().backward()
-        unused = [
-            name for name, p in model.named_parameters() if p.requires_grad and p.grad is None
-        ]
-        if unused:
-            listed = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if unused[8:] else "")
-            raise ConfigError(
-                f"{what} has parameters that get no gradient in training: {listed}. "
-                "DistributedDataParallel fails on them at the first step: remove them from the "
-                "model, or freeze them (requires_grad_(False))"
-            )
+        _check_gradients(model, what, unused_ok)
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
@@ -374,6 +369,22 @@ def _check_training(
             p.grad = None
         torch.set_rng_state(rng)
         model.train(was_training)
+
+
+def _check_gradients(model: nn.Module, what: str, unused_ok: bool) -> None:
+    """After one backward: every trainable parameter has a gradient, or bad input naming
+    those without (said only, under dist.find_unused_parameters)."""
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    listed = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if unused[8:] else "")
+    if unused and unused_ok:
+        log.info("%s: parameters without a gradient in one step: %s", what, listed)
+    elif unused:
+        raise ConfigError(
+            f"{what} has parameters that get no gradient in training: {listed}. "
+            "DistributedDataParallel fails on them at the first step: remove them from the "
+            "model, freeze them (requires_grad_(False)), or, if they are used on some steps "
+            f"only (LayerDrop), set {UNUSED_SETTING} (ddp and zero)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -681,3 +681,50 @@ def test_a_finished_run_extended_or_continued_with_new_settings_is_said(tmp_path
     )
     assert said in more.output, more.output[-3000:]
     assert "optim.lr 0.2 -> 0.05. The run continues with both (its results mix them)" in more.output
+
+
+LAYER_DROP = '''
+from torch import nn
+
+
+class LayerDrop(nn.Module):
+    """Skips its middle block on every other training step after the first few (as LayerDrop
+    does by chance): the start-up check sees every parameter used."""
+
+    def __init__(self, in_channels, num_classes):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, 8, 3, padding=1)
+        self.block = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        x = self.stem(x).relu()
+        self.calls += self.training
+        if not (self.training and self.calls > 8 and self.calls % 2 == 0):
+            x = self.block(x).relu()
+        return self.head(x.mean((2, 3)))
+
+
+def layer_drop(in_channels, num_classes):
+    return LayerDrop(in_channels, num_classes)
+'''
+
+
+def test_a_model_whose_used_parameters_change_is_named_and_trains_with_the_setting(tmp_path):
+    """Before, such a model died at the step after the first skip in a gloo abort whose first
+    lines named nothing (DDP's own advice names an option the pipeline did not have)."""
+    (tmp_path / "layer_drop.py").write_text(LAYER_DROP)
+    env = {"PYTHONPATH": str(tmp_path)}
+    args = tiny_job_args(
+        model_factory="layer_drop:layer_drop", model_widths=None, train_max_steps=14
+    )
+    plain = launch(2, f"--run.dir={tmp_path / 'plain'}", *args, env=env)
+    assert plain.returncode != 0
+    assert "a parameter got no gradient in the previous step" in plain.output, plain.output[-3000:]
+    assert "--dist.find_unused_parameters=true" in plain.output
+    found = launch(
+        2, f"--run.dir={tmp_path / 'found'}", *args, "--dist.find_unused_parameters=true", env=env
+    )
+    assert found.returncode == 0, found.output[-3000:]
+    assert rows(tmp_path / "found", "train")[-1]["step"] == 14
