@@ -92,7 +92,9 @@ def shard_like(full: Any, like: Any) -> Any:
         rows = dim0_rows(like)
         if rows is not None:  # this rank's rows cut where they are: only they reach the device
             start, stop = rows
-            local = full[start:stop].to(device=like.device, dtype=like.dtype)
+            # A copy, never a view: `.to()` returns the slice itself on the same device and
+            # dtype, and an optimizer would keep the whole tensor alive (and torch.save write it).
+            local = full[start:stop].to(device=like.device, dtype=like.dtype, copy=True)
             return DTensor.from_local(
                 local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
             )

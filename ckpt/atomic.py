@@ -106,6 +106,18 @@ class _HashingWriter:
         self.file.flush()
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (in host memory) as the only tensor of its storage: torch.save writes a
+    tensor's whole storage, so a view (a slice of a loaded tensor, an FSDP2 shard of a padded
+    buffer) is copied first, or the file would hold every byte of what it views. A tensor
+    that spans its storage is returned as it is (its memory format, and its sharing with
+    another name of the same tensor, kept)."""
+    tensor = tensor.detach()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
 def file_crc32(path: Path) -> str:
     """CRC-32 of a file as 8 hex digits: detects truncation, bit flips and garbage (not
     tampering; that is what weights_only loading guards against), at several GB/s."""

@@ -223,9 +223,8 @@ def write_sharded(plan: ShardedSave) -> dict[str, Any]:
     for path, payload in plan.files.values():
         host = {**payload}
         if "rows" in payload:  # the pieces, in host memory, each a tensor of its own
-            host["tensors"] = {
-                n: t.detach().cpu().contiguous() for n, t in payload["tensors"].items()
-            }
+            tensors = payload["tensors"].items()
+            host["tensors"] = {n: atomic.own_storage(t.cpu().contiguous()) for n, t in tensors}
         written[path.name] = _write_pieces(path, host)
     return written
 

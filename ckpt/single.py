@@ -62,8 +62,8 @@ def on_host(state: Any, _copies: dict[int, torch.Tensor] | None = None) -> Any:
     Host tensors are not copied."""
     copies = {} if _copies is None else _copies
     if torch.is_tensor(state):
-        if state.device.type == "cpu":
-            return state.detach()
+        if state.device.type == "cpu":  # a view is copied: torch.save writes whole storages
+            return atomic.own_storage(state)
         if id(state) not in copies:
             copies[id(state)] = state.detach().cpu()
         return copies[id(state)]

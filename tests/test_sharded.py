@@ -273,3 +273,48 @@ def test_consolidate_refuses_a_damaged_checkpoint_naming_the_file(tmp_path) -> N
     proc = consolidate(str(folder), f"--weights={tmp_path / 'w.pt'}")
     assert proc.returncode == 2 and str(shard) in proc.stderr
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_a_view_is_written_as_its_own_bytes_not_its_whole_storage(tmp_path) -> None:
+    """A state holding a slice of a bigger tensor (what a resumed optimizer held before
+    sharding.shard_like copied its rows): the rank file of a sharded checkpoint and a
+    single-file checkpoint hold the slice's bytes, not the whole storage it views (torch.save
+    writes a tensor's whole storage: torch/serialization.py, persistent_id records the
+    storage, not the view). Before the fix the sharded rank file was 4,001,829 bytes for a
+    4 KB slice."""
+    from ckpt import single
+
+    whole = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB
+    view = whole[1000:2000]  # 4 KB, the same storage
+    state = {**a_state(3, 1.0), "model": {"w": view}}
+    folder = save_alone(state, tmp_path / "sharded", 3)
+    sizes = {p.name.split(".")[0]: p.stat().st_size for p in folder.iterdir()}
+    assert sizes["rank_0"] < 100_000, sizes
+    assert torch.equal(storage.load(folder, CPU)["model"]["w"], whole[1000:2000])
+    path = single.save(state, tmp_path / "single", 3, 5, None)
+    assert path.stat().st_size < 100_000
+    assert torch.equal(storage.load(path, CPU)["model"]["w"], whole[1000:2000])
+
+
+def test_a_loaded_shard_is_a_copy_of_its_rows_not_a_view_of_the_whole() -> None:
+    """sharding.shard_like cuts this rank's rows of a loaded whole tensor for a DTensor
+    parameter: a view would keep the whole tensor alive in the optimizer (each rank file of
+    the next checkpoint then grew from 302.8 MB to 504.6 MB in the issue's run). Here the
+    shard must not share the whole tensor's storage (it did before the fix)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import sharding
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        like = distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)])
+        full = torch.arange(12.0).reshape(6, 2)
+        local = sharding.shard_like(full, like).to_local()
+        assert torch.equal(local, full)
+        assert local.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+    finally:
+        dist.destroy_process_group()

@@ -156,6 +156,18 @@ def test_a_resumed_run_ends_equal_to_the_uninterrupted_one(tmp_path, strategy) -
     for index, entry in a["optimizer"]["state"].items():
         for name, value in entry.items():
             assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
+    # After the resume each rank keeps only its rows: the next checkpoints' rank files are as
+    # large as the uninterrupted run's (each grew by the other rank's rows of the optimizer
+    # state before sharding.shard_like copied them: a view keeps its whole tensor alive)
+    if strategy == "fsdp":
+        for step in (10, 20):
+            assert rank_file_sizes(resumed, step) == rank_file_sizes(full, step), step
+
+
+def rank_file_sizes(run_dir: Path, step: int) -> dict[str, int]:
+    """Bytes of each rank file of the sharded checkpoint `step`, by rank."""
+    files = (run_dir / "checkpoints" / f"step_{step}").glob("rank_*")
+    return {p.name.split(".")[0]: p.stat().st_size for p in files}
 
 
 @pytest.mark.e2e
