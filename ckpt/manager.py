@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkable Protocol
 
 import distributed
-from ckpt import rundir, sharded, single, storage, writer
+from ckpt import atomic, rundir, sharded, single, storage, writer
 from ckpt.atomic import CheckpointError
 from config import CkptConfig, Config, ConfigError, global_batch_size
 from distributed import DistInfo
@@ -344,6 +344,8 @@ class CheckpointManager:
             try:
                 part.load_state_dict(state[name])
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+                if (instead := atomic.not_about_content(err, f"checkpoint {path}")) is not None:
+                    raise instead from err
                 raise CheckpointError(
                     f"checkpoint {path} does not fit this run's {name} (did model.* or "
                     f"optim.name change?): {err}"

@@ -286,7 +286,7 @@ def verify_sharded(folder: Path, checksums: bool = True) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {folder} has no manifest {manifest_file.name}: its save did not finish"
         ) from None
-    except (ValueError, KeyError, TypeError, OSError) as err:
+    except (ValueError, KeyError, TypeError) as err:  # an OSError is the storage's, raised
         raise CheckpointError(f"checkpoint manifest {manifest_file} is unreadable: {err}") from None
     for name, expected in files.items():
         file = folder / name
@@ -318,6 +318,8 @@ def _safe_load(file: Path, mmap: bool) -> Any:
             f"pipeline or was tampered with; nothing in it was run ({first_line})"
         ) from err
     except Exception as err:
+        if (instead := atomic.not_about_content(err, f"checkpoint file {file}")) is not None:
+            raise instead from err
         raise CheckpointError(f"checkpoint file {file} cannot be loaded: {err}") from err
 
 
@@ -354,6 +356,8 @@ def load_sharded(folder: Path, device: torch.device, verified: bool = False) -> 
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+        if (instead := atomic.not_about_content(err, f"checkpoint {folder}")) is not None:
+            raise instead from err
         raise CheckpointError(f"checkpoint {folder} is malformed: {err}") from err
     if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
         raise CheckpointError(

@@ -121,6 +121,8 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
             f"pipeline or was tampered with; nothing in it was run ({first_line})"
         ) from err
     except Exception as err:  # torch reports truncation as a bare zip-reader error
+        if (instead := atomic.not_about_content(err, f"checkpoint {path}")) is not None:
+            raise instead from err
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
     if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
         raise CheckpointError(

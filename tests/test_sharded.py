@@ -318,3 +318,68 @@ def test_a_loaded_shard_is_a_copy_of_its_rows_not_a_view_of_the_whole() -> None:
         assert local.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
     finally:
         dist.destroy_process_group()
+
+
+# A child that loads the newest checkpoint of a run dir under a real memory limit: RLIMIT_DATA
+# at its own VmData plus `headroom` MB, which since Linux 4.7 counts every private writable
+# mapping (mm/mmap.c, is_data_mapping): the heap, glibc's mmap'd blocks and torch.load's
+# MAP_PRIVATE file mappings alike. What it prints: how the load ended.
+_LOAD_UNDER_LIMIT = """
+import resource, sys
+from pathlib import Path
+import torch
+from ckpt import storage
+
+def vm_data():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+limit = vm_data() + int(sys.argv[2]) * 2**20
+resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
+try:
+    path, state = storage.load_for_resume("auto", sys.argv[1], torch.device("cpu"))
+    print("LOADED", path.name)
+except BaseException as err:
+    print("RAISED", type(err).__name__, err)
+"""
+
+
+def load_under_limit(run_dir: Path, headroom_mb: int) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_UNDER_LIMIT, str(run_dir), str(headroom_mb)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("kind", ["sharded", "single"])
+def test_running_out_of_memory_while_loading_is_not_corruption_and_never_falls_back(
+    tmp_path, kind
+) -> None:
+    """Two checkpoints, the newest too big for the memory a child process may still take
+    (RLIMIT_DATA, 96 MB above what it holds; the newest holds 256 MB): loading it fails with
+    the allocator's error, and the child learns exactly that (a MemoryError naming the
+    checkpoint), never that the checkpoint "is malformed" or "cannot be loaded", and the older
+    one is not tried. Before the fix: "LOADED step_1.pt" / "LOADED step_1" (the newest skipped
+    as unusable, the older one resumed); the same limit with room for 256 MB loads step_2."""
+    from ckpt import single
+
+    directory = tmp_path / "checkpoints"
+    small, big = a_state(1, 1.0), a_state(2, 2.0)
+    big["model"]["w"] = torch.ones(64, 2**20)  # 256 MB
+    for state in (small, big):
+        if kind == "sharded":
+            save_alone(state, directory, state["step"])
+        else:
+            single.save(state, directory, state["step"], 5, None)
+    newest = "step_2" if kind == "sharded" else "step_2.pt"
+    said = load_under_limit(tmp_path, headroom_mb=96)
+    assert said.startswith("RAISED MemoryError loading checkpoint"), said
+    assert newest in said and "ran out of memory" in said, said
+    assert "malformed" not in said and "step_1" not in said, said
+    assert load_under_limit(tmp_path, headroom_mb=1024) == f"LOADED {newest}"
