@@ -597,6 +597,53 @@ def test_a_model_that_outgrows_a_rank_fails_under_ddp_and_trains_under_fsdp(
         assert final_state(tmp_path / "run")["step"] == 4
 
 
+def _wide_mlp_under_limit(run_dir: Path, max_steps: int) -> subprocess.CompletedProcess:
+    """The outgrow test's fsdp job (wide_mlp, AdamW, 2 ranks under RLIMIT_DATA), a checkpoint
+    every 2 steps, run to `max_steps`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}
+    args = tiny_job_args(
+        run_dir,
+        data_synthetic_train_size=64,
+        data_synthetic_eval_size=16,
+        data_batch_size=4,
+        model_widths=None,
+        dist_strategy="fsdp",
+        model_factory="examples.custom_model:wide_mlp",
+        optim_name="adamw",
+        train_max_steps=max_steps,
+        ckpt_every_steps=2,
+        dist_preflight=False,
+    )
+    return subprocess.run(
+        ["bash", "scripts/train_single_node.sh", *args],
+        cwd=REPO,
+        env=env,
+        preexec_fn=_limit_data,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+
+
+@pytest.mark.e2e
+def test_a_model_that_trains_under_fsdp_in_a_memory_limit_resumes_in_it(tmp_path) -> None:
+    """wide_mlp trains under fsdp at 2 ranks within the outgrow test's RLIMIT_DATA, writing
+    sharded checkpoints at steps 2 and 4; the same command to step 6 resumes step 4 within
+    the same limit and finishes. Before the fix every rank built each tensor whole and the
+    resume ran out of memory ("DefaultCPUAllocator: can't allocate memory"), reported as
+    "checkpoint .../step_4 is malformed", and then step_2 failed the same way: exit 2, "no
+    usable checkpoint ... Move ... away"."""
+    run_dir = tmp_path / "run"
+    first = _wide_mlp_under_limit(run_dir, 4)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    resumed = _wide_mlp_under_limit(run_dir, 6)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert "resuming from" in output and "step_4" in output, output[-4000:]
+    assert "skipping unusable checkpoint" not in output
+    assert final_state(run_dir)["step"] == 6
+
+
 @pytest.mark.e2e
 @pytest.mark.extended
 def test_fsdp_trains_compiled_and_with_channels_last_inputs(tmp_path) -> None:
