@@ -77,10 +77,10 @@ def load(
 
     `weights_only` unpickles tensors, containers and plain values only: a file carrying any
     other Python object is refused and none of its code runs. There is no unsafe fallback.
-    A sharded checkpoint (a folder) is put back into whole tensors (but see `lazy`); `verified`: another rank
-    checked its files' checksums already (their sizes are still checked); `lazy`: the parts
-    whose tensors a sharded checkpoint hands out unread, for each rank to read its own rows
-    (sharded.load_sharded).
+    A sharded checkpoint (a folder) is put back into whole tensors, but for the parts named in
+    `lazy`, whose tensors it hands out unread for each rank to read its own rows
+    (sharded.load_sharded); `verified`: another rank checked its files' checksums already
+    (their sizes are still checked).
     """
     path = Path(path)
     if path.is_dir():

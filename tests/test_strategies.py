@@ -630,9 +630,10 @@ def test_a_model_that_trains_under_fsdp_in_a_memory_limit_resumes_in_it(tmp_path
     """wide_mlp trains under fsdp at 2 ranks within the outgrow test's RLIMIT_DATA, writing
     sharded checkpoints at steps 2 and 4; the same command to step 6 resumes step 4 within
     the same limit and finishes. Before the fix every rank built each tensor whole and the
-    resume ran out of memory ("DefaultCPUAllocator: can't allocate memory"), reported as
-    "checkpoint .../step_4 is malformed", and then step_2 failed the same way: exit 2, "no
-    usable checkpoint ... Move ... away"."""
+    resume ran out of memory: "rank 0 ran out of memory (loading checkpoint .../step_4 ran out
+    of memory (... DefaultCPUAllocator: can't allocate memory: you tried to allocate 16777216
+    bytes ...)))", exit 2 (before the resource-error fix: "checkpoint ... is malformed", and
+    the older checkpoint was tried)."""
     run_dir = tmp_path / "run"
     first = _wide_mlp_under_limit(run_dir, 4)
     assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
