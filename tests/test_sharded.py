@@ -22,6 +22,7 @@ from helpers import REPO, run_ranks
 import sharding
 from ckpt import atomic, retention, sharded, storage, writer
 from ckpt.atomic import CheckpointError
+from config import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -484,3 +485,55 @@ def test_each_rank_reads_only_the_rows_it_keeps(tmp_path) -> None:
                 assert torch.equal(got["weights"][key], value), key
             for (index, name), value in got["moments"].items():
                 assert torch.equal(value, whole["optimizer"]["state"][index][name])
+
+
+def test_overlapping_row_ranges_in_a_tampered_meta_are_refused(tmp_path) -> None:
+    """A meta whose pieces of `w` (5 rows) are rows 0..3 and 1..3 of two stored tensors, with
+    a manifest updated to match: 3 + 2 rows is the count of `w`'s rows, but rows 3 and 4 are
+    in no piece. Before the fix this loaded, rows 3 and 4 whatever torch.empty held; the
+    ranges must tile 0..5 exactly."""
+    state = a_state(2, 1.0)
+    state["model"] |= {"a": torch.ones(3, 3), "b": torch.ones(2, 3)}
+    folder = save_alone(state, tmp_path, 2)
+    manifest_file = retention.manifest_path(folder)
+    manifest = json.loads(manifest_file.read_text())
+    meta_file = folder / manifest["meta"]
+    meta = torch.load(meta_file, weights_only=True)
+    for entry in meta["tensors"].values():
+        if entry["pieces"][0][1] == "/model/w":
+            rank_file = entry["pieces"][0][0]
+            entry["pieces"] = [[rank_file, "/model/a", 0, 3], [rank_file, "/model/b", 1, 3]]
+    torch.save(meta, meta_file)
+    manifest["files"][meta_file.name] = {
+        "bytes": meta_file.stat().st_size,
+        "crc32": atomic.file_crc32(meta_file),
+    }
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(
+        CheckpointError, match=r"hold rows \[\(0, 3\), \(1, 3\)\], which do not cover its 5 rows"
+    ):
+        storage.load(folder, CPU)
+
+
+def test_model_weights_takes_a_sharded_checkpoint_by_its_folder_or_its_manifest(tmp_path) -> None:
+    """--model.weights given a sharded checkpoint's folder said "no such file"; given its
+    manifest, torch's weights_only advice. Both now load the checkpoint's model whole, as a
+    resume does (verified, weights_only)."""
+    from torch import nn
+
+    import model as model_module
+    from cli import parse_args
+
+    torch.manual_seed(0)
+    saved = nn.Linear(3, 5)
+    state = {**a_state(2, 1.0), "model": dict(saved.state_dict())}
+    folder = save_alone(state, tmp_path, 2)
+    for given in (folder, retention.manifest_path(folder)):
+        parse_args([f"--model.weights={given}"])  # accepted by the config
+        fresh = nn.Linear(3, 5)
+        model_module.load_weights(fresh, str(given))
+        assert torch.equal(fresh.weight, saved.weight) and torch.equal(fresh.bias, saved.bias)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="a folder without a checkpoint manifest"):
+        model_module.load_weights(nn.Linear(3, 5), str(empty))
