@@ -308,7 +308,8 @@ class ModelConfig(_Section):
     ('{"dropout": 0.2}'), or in a TOML file a [model.kwargs] table"""
     weights: str = ""
     """initialise a fresh run from this local state dict (loaded with
-    weights_only): a classifier for another number of classes is
+    weights_only), or this pipeline's checkpoint: a file, a sharded
+    checkpoint's folder or its manifest (read whole): a classifier for another number of classes is
     replaced, a 3-channel stem fitted to the data's channels; any other
     missing, unexpected or misshapen key is an error. Nothing is ever
     downloaded. The file must exist; a run that resumes from a checkpoint
@@ -345,8 +346,10 @@ class ModelConfig(_Section):
         object.__setattr__(self, "weights", os.path.expanduser(self.weights))
         # Checked even where a checkpoint will be resumed instead: a wrong path is a typo, and
         # the same command line starts the next, fresh run.
-        weights_ok = not self.weights or os.path.isfile(self.weights)
-        self._require("weights", weights_ok, "no such file: give a local state dict file")
+        weights_ok = not self.weights or os.path.exists(self.weights)
+        self._require(
+            "weights", weights_ok, "no such file: give a state dict file or a checkpoint's folder"
+        )
         self._require_factory()
         if self.factory or self.name != MINI_RESNET:  # the MiniResNet fields would do nothing
             for name in ("widths", "blocks_per_stage", "stem_stride", "dropout"):

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 import sharding
+from ckpt import retention, storage
+from ckpt.atomic import CheckpointError
 from config import MINI_RESNET, ConfigError, ModelConfig, load_factory
 
 log = logging.getLogger(__name__)
@@ -478,11 +480,27 @@ def load_weights(model: nn.Module, path: str) -> None:
 
 
 def _read_state(path: str, where: str) -> dict[str, torch.Tensor]:
-    """The bare state dict in `path` (`_bare`), or bad input saying why there is none."""
-    if not Path(path).is_file():
+    """The bare state dict in `path` (`_bare`), or bad input saying why there is none. A
+    checkpoint of this pipeline given by its folder (sharded) or its manifest is read as a
+    resume reads it (verified, weights_only), whole."""
+    given = Path(path)
+    if given.name.endswith(".manifest.json"):  # the checkpoint it vouches for
+        stem = given.with_name(given.name.removesuffix(".manifest.json"))
+        given = stem if stem.is_dir() else stem.with_name(stem.name + ".pt")
+    if given.is_dir():
+        if not retention.manifest_path(given).is_file():
+            raise ConfigError(
+                f"{where} is a folder without a checkpoint manifest beside it: give a state "
+                "dict file, or a sharded checkpoint's folder (checkpoints/step_<N>)"
+            )
+        try:
+            return _bare(storage.load(given, torch.device("cpu"))) or {}
+        except CheckpointError as err:
+            raise ConfigError(f"{where} cannot be loaded: {err}") from None
+    if not given.is_file():
         raise ConfigError(f"{where}: the file does not exist")
     try:
-        state = _bare(torch.load(path, map_location="cpu", weights_only=True))
+        state = _bare(torch.load(given, map_location="cpu", weights_only=True))
     except Exception as err:  # not a torch file, truncated, or objects weights_only refuses
         raise ConfigError(f"{where} cannot be loaded (weights_only): {err}") from None
     if state is None:

@@ -11,6 +11,7 @@ for the same tensors, in the same order. The others are local.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,16 +84,52 @@ def full_from_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return whole.full_tensor().cpu() if isinstance(whole, DTensor) else whole
 
 
+class LazyRows:
+    """A whole tensor of a checkpoint not read yet: its shape, its dtype, and `read(start,
+    stop)`, which reads rows [start, stop) of dim 0 into a tensor of their own. A sharded
+    checkpoint's loader hands these out so that each rank reads only the rows it keeps
+    (`shard_like`), as torch.distributed.checkpoint's per-rank load plans do: built whole on
+    every rank, a model that trains under fsdp because it does not fit could not resume."""
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, read: Callable[[int, int], torch.Tensor]
+    ) -> None:
+        self.shape, self.dtype, self.read = torch.Size(shape), dtype, read
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def whole(self) -> torch.Tensor:
+        return self.read(0, self.shape[0])
+
+
+def read_whole(value: Any) -> Any:
+    """A `LazyRows` read whole; anything else as it is."""
+    return value.whole() if isinstance(value, LazyRows) else value
+
+
 def shard_like(full: Any, like: Any) -> Any:
-    """`full` (the same on every rank) as `like` holds it: this rank's shard when `like` is a
-    DTensor (sliced locally, no communication), else on `like`'s device and dtype."""
+    """`full` (the same on every rank, or a `LazyRows`) as `like` holds it: this rank's shard
+    when `like` is a DTensor (cut or read locally, no communication), else on `like`'s device
+    and dtype."""
+    rows = dim0_rows(like) if isinstance(like, DTensor) else None
+    if isinstance(full, LazyRows):
+        if rows is None:
+            full = full.whole()
+        else:  # only this rank's rows are read
+            local = full.read(*rows).to(device=like.device, dtype=like.dtype)
+            return DTensor.from_local(
+                local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+            )
     if not isinstance(full, torch.Tensor):
         return full
     if isinstance(like, DTensor):
-        rows = dim0_rows(like)
         if rows is not None:  # this rank's rows cut where they are: only they reach the device
             start, stop = rows
-            local = full[start:stop].to(device=like.device, dtype=like.dtype)
+            # A copy, never a view: `.to()` returns the slice itself on the same device and
+            # dtype, and an optimizer would keep the whole tensor alive (and torch.save write it).
+            local = full[start:stop].to(device=like.device, dtype=like.dtype, copy=True)
             return DTensor.from_local(
                 local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
             )

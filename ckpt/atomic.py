@@ -25,6 +25,37 @@ class CheckpointError(RuntimeError):
     exit_code = 2  # bad input: a restart cannot fix it
 
 
+# How an allocation failure reads when torch raises it as a RuntimeError: c10's CPU allocator
+# ("DefaultCPUAllocator: can't allocate memory", c10/core/impl/alloc_cpu.cpp), and "not enough
+# memory" where an allocator reports it so (Windows' c10 allocator, some storage resizes).
+_ALLOCATION_FAILED = ("can't allocate memory", "not enough memory")
+
+
+def not_about_content(err: BaseException, what: str) -> BaseException | None:
+    """What to raise instead of calling `what` (a checkpoint) unusable, when loading it failed
+    for a reason that is not in its bytes: an allocation failure (a MemoryError naming `what`,
+    which train.py exits on as it does on any out-of-memory) or an OSError (itself: its errno
+    classes it, exitcodes.py). None when the error is about the content. An older checkpoint
+    would fail the same way, or load and silently drop the newer one's training: neither is a
+    reason to fall back."""
+    if isinstance(err, OSError):
+        return err
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, MemoryError | torch.OutOfMemoryError) or (
+            isinstance(current, RuntimeError)
+            and any(text in str(current) for text in _ALLOCATION_FAILED)
+        ):
+            first = str(current).strip().splitlines()[0] if str(current).strip() else ""
+            return MemoryError(
+                f"loading {what} ran out of memory ({first or type(current).__name__})"
+            )
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -104,6 +135,18 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.file.flush()
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (in host memory) as the only tensor of its storage: torch.save writes a
+    tensor's whole storage, so a view (a slice of a loaded tensor, an FSDP2 shard of a padded
+    buffer) is copied first, or the file would hold every byte of what it views. A tensor
+    that spans its storage is returned as it is (its memory format, and its sharing with
+    another name of the same tensor, kept)."""
+    tensor = tensor.detach()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
 
 
 def file_crc32(path: Path) -> str:

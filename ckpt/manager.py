@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful  # a runtime-checkable Protocol
 
 import distributed
-from ckpt import rundir, sharded, single, storage, writer
+from ckpt import atomic, rundir, sharded, single, storage, writer
 from ckpt.atomic import CheckpointError
 from config import CkptConfig, Config, ConfigError, global_batch_size
 from distributed import DistInfo
@@ -344,6 +344,8 @@ class CheckpointManager:
             try:
                 part.load_state_dict(state[name])
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+                if (instead := atomic.not_about_content(err, f"checkpoint {path}")) is not None:
+                    raise instead from err
                 raise CheckpointError(
                     f"checkpoint {path} does not fit this run's {name} (did model.* or "
                     f"optim.name change?): {err}"
@@ -354,6 +356,8 @@ class CheckpointManager:
     def _load_chosen(self) -> tuple[Path, dict[str, Any]] | None:
         cfg, info, run_dir = self.cfg, self.info, self.paths.root
         chosen: list[tuple[Path, dict[str, Any]] | None] = []
+        # The parts that save sharded take their tensors unread, each rank reading its rows
+        lazy = [name for name, part in self.parts.items() if hasattr(part, "sharded_state_dict")]
 
         def choose() -> None:
             resume = cfg.resume
@@ -364,7 +368,7 @@ class CheckpointManager:
                     "ckpt.resume=%s started this run: continuing from its own checkpoints", resume
                 )
                 resume = "auto"  # a restart repeating the command: PATH only initialised the run
-            found = storage.load_for_resume(resume, run_dir, info.device)
+            found = storage.load_for_resume(resume, run_dir, info.device, lazy)
             storage.refuse_later_checkpoints(run_dir, found[1]["step"] if found else 0, resume)
             chosen.append(found)
 
@@ -377,7 +381,7 @@ class CheckpointManager:
         if state is None:  # every rank but 0
             try:
                 # rank 0 checked every file's checksum: a sharded checkpoint's sizes suffice
-                state = storage.load(path, info.device, verified=True)
+                state = storage.load(path, info.device, verified=True, lazy=lazy)
             except Exception as err:  # e.g. this node cannot see rank 0's file: never skip the vote
                 error = err
         distributed.raise_if_any_failed(info, error, f"loading {path}")

@@ -119,8 +119,10 @@ class OptimizerState:
         params = self._params()
 
         def local(index: Any, name: str, value: Any) -> Any:
-            sharded = isinstance(value, torch.Tensor) and value.ndim > 0 and name != "step"
-            return sharding.shard_like(value, params[int(index)]) if sharded else value
+            tensor = isinstance(value, torch.Tensor | sharding.LazyRows)
+            if tensor and value.ndim > 0 and name != "step":
+                return sharding.shard_like(value, params[int(index)])
+            return sharding.read_whole(value)
 
         self.optimizer.load_state_dict(
             {

@@ -9,6 +9,8 @@ Who writes what (no byte twice):
 - any other tensor: the lowest rank that holds it, whole. Tensors every rank holds are not
   all the same on every rank (each rank's BatchNorm statistics moved with its own batch
   since the step began), and a checkpoint holds rank 0's, as a single-file one does.
+Who reads what: at a resume each rank reads only the rows it keeps (load_sharded's `lazy`),
+from the rank files that hold them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import logging
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,9 +225,8 @@ def write_sharded(plan: ShardedSave) -> dict[str, Any]:
     for path, payload in plan.files.values():
         host = {**payload}
         if "rows" in payload:  # the pieces, in host memory, each a tensor of its own
-            host["tensors"] = {
-                n: t.detach().cpu().contiguous() for n, t in payload["tensors"].items()
-            }
+            tensors = payload["tensors"].items()
+            host["tensors"] = {n: atomic.own_storage(t.cpu().contiguous()) for n, t in tensors}
         written[path.name] = _write_pieces(path, host)
     return written
 
@@ -287,7 +288,7 @@ def verify_sharded(folder: Path, checksums: bool = True) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {folder} has no manifest {manifest_file.name}: its save did not finish"
         ) from None
-    except (ValueError, KeyError, TypeError, OSError) as err:
+    except (ValueError, KeyError, TypeError) as err:  # an OSError is the storage's, raised
         raise CheckpointError(f"checkpoint manifest {manifest_file} is unreadable: {err}") from None
     for name, expected in files.items():
         file = folder / name
@@ -319,42 +320,43 @@ def _safe_load(file: Path, mmap: bool) -> Any:
             f"pipeline or was tampered with; nothing in it was run ({first_line})"
         ) from err
     except Exception as err:
+        if (instead := atomic.not_about_content(err, f"checkpoint file {file}")) is not None:
+            raise instead from err
         raise CheckpointError(f"checkpoint file {file} cannot be loaded: {err}") from err
 
 
-def load_sharded(folder: Path, device: torch.device, verified: bool = False) -> dict[str, Any]:
+def load_sharded(
+    folder: Path, device: torch.device, verified: bool = False, lazy: Collection[str] = ()
+) -> dict[str, Any]:
     """The state of the sharded checkpoint `folder` with whole tensors, whatever the world size
     that wrote it. They stay in host memory (`device` is not used): each part moves its own
-    share to its device, so under fsdp a device never holds a whole model."""
+    share to its device, so under fsdp a device never holds a whole model.
+
+    `lazy`: the parts (top-level keys) whose tensors of one or more dimensions come as
+    sharding.LazyRows, read when the part takes them: each rank then reads only the rows it
+    keeps (sharding.shard_like), and only the files that hold them."""
     manifest = verify_sharded(folder, checksums=not verified)
     meta = _safe_load(folder / manifest["meta"], mmap=False)
     try:
         skeleton, table = meta["skeleton"], meta["tensors"]
-        opened: dict[str, dict[str, torch.Tensor]] = {}
-        tensors: dict[int, torch.Tensor] = {}
+        eager, deferred = _Pieces(folder), _Pieces(folder)
+        tensors: dict[int, Any] = {}
         for index, entry in table.items():
             shape, dtype = tuple(entry["shape"]), getattr(torch, entry["dtype"])
-            whole = torch.empty(shape, dtype=dtype)
-            filled = 0
-            for file, name, start, stop in entry["pieces"]:
-                if file not in opened:
-                    opened[file] = _safe_load(folder / file, mmap=True)["tensors"]
-                piece = opened[file][name]
-                if shape:
-                    whole[start:stop] = piece
-                else:
-                    whole = piece.clone()
-                filled += stop - start
-            if shape and filled != shape[0]:
-                raise CheckpointError(
-                    f"checkpoint {folder}: {entry['pieces'][0][1] if entry['pieces'] else index}"
-                    f" has {filled} of its {shape[0]} rows"
+            pieces = _tiled(folder, index, entry, shape)
+            part = pieces[0][1].split("/")[1] if pieces else ""
+            if shape and part in lazy:
+                tensors[int(index)] = sharding.LazyRows(
+                    shape, dtype, deferred.reader(pieces, shape, dtype)
                 )
-            tensors[int(index)] = whole  # in host memory: each part moves its own share
+            else:
+                tensors[int(index)] = eager.read(pieces, shape, dtype, 0, shape[0] if shape else 0)
         state = unflatten(skeleton, tensors)
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as err:
+        if (instead := atomic.not_about_content(err, f"checkpoint {folder}")) is not None:
+            raise instead from err
         raise CheckpointError(f"checkpoint {folder} is malformed: {err}") from err
     if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
         raise CheckpointError(
@@ -362,3 +364,69 @@ def load_sharded(folder: Path, device: torch.device, verified: bool = False) -> 
             "pipeline"
         )
     return state
+
+
+def _tiled(folder: Path, index: Any, entry: dict[str, Any], shape: tuple[int, ...]) -> list[Any]:
+    """The pieces of a tensor of the meta table, by their first row, once their row ranges are
+    checked to tile 0..rows exactly: each starts where the one before stopped (a count of rows
+    would pass two overlapping ranges and leave rows unwritten: garbage); a 0-dim tensor has
+    one piece."""
+    pieces = sorted(entry["pieces"], key=lambda piece: piece[2])
+    name = pieces[0][1] if pieces else f"tensor {index}"
+    ranges = [(start, stop) for _, _, start, stop in pieces]
+    if not shape:
+        if ranges != [(0, 0)]:
+            raise CheckpointError(f"checkpoint {folder}: {name} (0-dim) has pieces {ranges}")
+        return pieces
+    edges = [0, *(edge for bounds in ranges for edge in bounds), shape[0]]
+    if all(start <= stop for start, stop in ranges) and edges[0::2] == edges[1::2]:
+        return pieces
+    raise CheckpointError(
+        f"checkpoint {folder}: the pieces of {name} hold rows {ranges}, which do not cover its "
+        f"{shape[0]} rows once each: its meta file was altered"
+    )
+
+
+class _Pieces:
+    """The rank files of a sharded checkpoint, each opened (memory-mapped: only the pages read
+    are loaded) when a piece of it is first read, and what was read."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.opened: dict[str, dict[str, torch.Tensor]] = {}
+        self.bytes_read = 0
+
+    def piece(self, file: str, name: str) -> torch.Tensor:
+        if file not in self.opened:
+            self.opened[file] = _safe_load(self.folder / file, mmap=True)["tensors"]
+        return self.opened[file][name]
+
+    def read(
+        self, pieces: list[Any], shape: tuple[int, ...], dtype: torch.dtype, start: int, stop: int
+    ) -> torch.Tensor:
+        """Rows [start, stop) of the tensor made of `pieces` (a 0-dim one: itself), a tensor
+        of their own: only the pieces that hold them are read."""
+        if not shape:
+            return self.piece(pieces[0][0], pieces[0][1]).clone()
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        for file, name, first, end in pieces:
+            low, high = max(first, start), min(end, stop)
+            if low >= high:
+                continue
+            piece = self.piece(file, name)
+            if tuple(piece.shape) != (end - first, *shape[1:]) or piece.dtype != dtype:
+                raise CheckpointError(
+                    f"checkpoint file {self.folder / file}: {name} holds {piece.dtype} "
+                    f"{list(piece.shape)}, not rows {first}..{end} of {dtype} {list(shape)}"
+                )
+            out[low - start : high - start] = piece[low - first : high - first]
+        self.bytes_read += out.nbytes
+        return out
+
+    def reader(
+        self, pieces: list[Any], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Callable[[int, int], torch.Tensor]:
+        def read(start: int, stop: int) -> torch.Tensor:
+            return self.read(pieces, shape, dtype, start, stop)
+
+        return read

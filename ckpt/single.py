@@ -62,8 +62,8 @@ def on_host(state: Any, _copies: dict[int, torch.Tensor] | None = None) -> Any:
     Host tensors are not copied."""
     copies = {} if _copies is None else _copies
     if torch.is_tensor(state):
-        if state.device.type == "cpu":
-            return state.detach()
+        if state.device.type == "cpu":  # a view is copied: torch.save writes whole storages
+            return atomic.own_storage(state)
         if id(state) not in copies:
             copies[id(state)] = state.detach().cpu()
         return copies[id(state)]
@@ -121,6 +121,8 @@ def load(path: Path, device: torch.device) -> dict[str, Any]:
             f"pipeline or was tampered with; nothing in it was run ({first_line})"
         ) from err
     except Exception as err:  # torch reports truncation as a bare zip-reader error
+        if (instead := atomic.not_about_content(err, f"checkpoint {path}")) is not None:
+            raise instead from err
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {err}") from err
     if not isinstance(state, dict) or not {"model", "step"} <= state.keys():
         raise CheckpointError(

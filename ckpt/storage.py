@@ -22,6 +22,7 @@ of either kind. The writes: ckpt/atomic.py; what the directory keeps: ckpt/reten
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -69,22 +70,26 @@ def verify(path: Path) -> None:
     single.verify(path)
 
 
-def load(path: str | Path, device: torch.device, verified: bool = False) -> dict[str, Any]:
+def load(
+    path: str | Path, device: torch.device, verified: bool = False, lazy: Collection[str] = ()
+) -> dict[str, Any]:
     """Verify `path` against its manifest, then load it onto `device` with `weights_only=True`.
 
     `weights_only` unpickles tensors, containers and plain values only: a file carrying any
     other Python object is refused and none of its code runs. There is no unsafe fallback.
-    A sharded checkpoint (a folder) is put back into whole tensors; `verified`: another rank
-    checked its files' checksums already (their sizes are still checked).
+    A sharded checkpoint (a folder) is put back into whole tensors, but for the parts named in
+    `lazy`, whose tensors it hands out unread for each rank to read its own rows
+    (sharded.load_sharded); `verified`: another rank checked its files' checksums already
+    (their sizes are still checked).
     """
     path = Path(path)
     if path.is_dir():
-        return sharded.load_sharded(path, device, verified=verified)
+        return sharded.load_sharded(path, device, verified=verified, lazy=lazy)
     return single.load(path, device)
 
 
 def load_for_resume(
-    resume: str, run_dir: str | Path, device: torch.device
+    resume: str, run_dir: str | Path, device: torch.device, lazy: Collection[str] = ()
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint `--ckpt.resume` asks for, loaded, or None to start from scratch.
 
@@ -98,25 +103,29 @@ def load_for_resume(
     if resume != "auto":
         given = Path(resume)
         if not given.is_dir():
-            return given, load(resume, device)
+            return given, load(resume, device, lazy=lazy)
         inside = RunPaths(given).checkpoints
         directory = inside if inside.is_dir() else given
-        found = _newest_usable(directory, device)
+        found = _newest_usable(directory, device, lazy)
         if found is None:
             raise CheckpointError(
                 f"ckpt.resume={resume}: no checkpoint in {directory} (step_<N>.pt files); "
                 "give a run dir, its checkpoints/ folder or a checkpoint file"
             )
         return found
-    return _newest_usable(checkpoint_dir(run_dir), device)
+    return _newest_usable(checkpoint_dir(run_dir), device, lazy)
 
 
-def _newest_usable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in `directory` that loads (None if it holds none at all)."""
+def _newest_usable(
+    directory: Path, device: torch.device, lazy: Collection[str] = ()
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that loads (None if it holds none at all). Only a
+    CheckpointError (the file's content) moves on to an older one: out of memory or a storage
+    error would fail there too, or resume it and drop the newer one's steps."""
     errors = []
     for _, path in reversed(retention.list_checkpoints(directory)):
         try:
-            return path, load(path, device)
+            return path, load(path, device, lazy=lazy)
         except CheckpointError as err:
             log.warning("skipping unusable checkpoint: %s", err)
             errors.append(str(err))

@@ -156,6 +156,18 @@ def test_a_resumed_run_ends_equal_to_the_uninterrupted_one(tmp_path, strategy) -
     for index, entry in a["optimizer"]["state"].items():
         for name, value in entry.items():
             assert torch.equal(value, b["optimizer"]["state"][index][name]), (index, name)
+    # After the resume each rank keeps only its rows: the next checkpoints' rank files are as
+    # large as the uninterrupted run's (each grew by the other rank's rows of the optimizer
+    # state before sharding.shard_like copied them: a view keeps its whole tensor alive)
+    if strategy == "fsdp":
+        for step in (10, 20):
+            assert rank_file_sizes(resumed, step) == rank_file_sizes(full, step), step
+
+
+def rank_file_sizes(run_dir: Path, step: int) -> dict[str, int]:
+    """Bytes of each rank file of the sharded checkpoint `step`, by rank."""
+    files = (run_dir / "checkpoints" / f"step_{step}").glob("rank_*")
+    return {p.name.split(".")[0]: p.stat().st_size for p in files}
 
 
 @pytest.mark.e2e
@@ -584,6 +596,54 @@ def test_a_model_that_outgrows_a_rank_fails_under_ddp_and_trains_under_fsdp(
     else:
         assert proc.returncode == 0, output[-4000:]
         assert final_state(tmp_path / "run")["step"] == 4
+
+
+def _wide_mlp_under_limit(run_dir: Path, max_steps: int) -> subprocess.CompletedProcess:
+    """The outgrow test's fsdp job (wide_mlp, AdamW, 2 ranks under RLIMIT_DATA), a checkpoint
+    every 2 steps, run to `max_steps`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}
+    args = tiny_job_args(
+        run_dir,
+        data_synthetic_train_size=64,
+        data_synthetic_eval_size=16,
+        data_batch_size=4,
+        model_widths=None,
+        dist_strategy="fsdp",
+        model_factory="examples.custom_model:wide_mlp",
+        optim_name="adamw",
+        train_max_steps=max_steps,
+        ckpt_every_steps=2,
+        dist_preflight=False,
+    )
+    return subprocess.run(
+        ["bash", "scripts/train_single_node.sh", *args],
+        cwd=REPO,
+        env=env,
+        preexec_fn=_limit_data,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+
+
+@pytest.mark.e2e
+def test_a_model_that_trains_under_fsdp_in_a_memory_limit_resumes_in_it(tmp_path) -> None:
+    """wide_mlp trains under fsdp at 2 ranks within the outgrow test's RLIMIT_DATA, writing
+    sharded checkpoints at steps 2 and 4; the same command to step 6 resumes step 4 within
+    the same limit and finishes. Before the fix every rank built each tensor whole and the
+    resume ran out of memory: "rank 0 ran out of memory (loading checkpoint .../step_4 ran out
+    of memory (... DefaultCPUAllocator: can't allocate memory: you tried to allocate 16777216
+    bytes ...)))", exit 2 (before the resource-error fix: "checkpoint ... is malformed", and
+    the older checkpoint was tried)."""
+    run_dir = tmp_path / "run"
+    first = _wide_mlp_under_limit(run_dir, 4)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    resumed = _wide_mlp_under_limit(run_dir, 6)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert "resuming from" in output and "step_4" in output, output[-4000:]
+    assert "skipping unusable checkpoint" not in output
+    assert final_state(run_dir)["step"] == 6
 
 
 @pytest.mark.e2e
