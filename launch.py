@@ -28,7 +28,7 @@ import parallel
 import preflight
 import resilience
 import saturation
-from ckpt import atomic, rundir
+from ckpt import atomic, fence, rundir
 from ckpt.atomic import CheckpointError
 from config import Config, ConfigError
 from distributed import DistInfo
@@ -107,7 +107,8 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
 def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None]:
     """Rank 0 takes the run dir's lease (one job per run dir) before anything is written
     there, and lets go of it at the end; a run refused before writing anything leaves no
-    empty run dir behind. Yields the lease on rank 0, None elsewhere."""
+    empty run dir behind. Yields the lease on rank 0, None elsewhere; every other rank holds
+    the lease's generation as its fence (ckpt/fence.py: its shards are written there too)."""
     run_dir = Path(cfg.run.dir)
     lease = rundir.Lease(run_dir, cfg.run.lease_timeout_s)
     created = not run_dir.exists()
@@ -118,8 +119,12 @@ def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None
 
     try:
         distributed.run_on_main(info, f"taking the lease of run.dir={run_dir}", take_lease)
+        generation = distributed.broadcast_object(lease.generation if info.is_main else None)
+        if not info.is_main:
+            fence.hold(fence.Fence(run_dir, generation))
         yield lease if info.is_main else None
     finally:
+        fence.hold(None)
         if info.is_main:
             lease.release()
             if created:
