@@ -47,9 +47,17 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180)
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("nproc", "settings"),
+    [
+        (None, {"ckpt_async_save": False}),
+        (None, {"ckpt_async_save": True}),
+        (2, {"ckpt_async_save": True, "dist_strategy": "fsdp", "ckpt_format": "sharded"}),
+    ],
+    ids=["sync", "async", "fsdp-sharded-async-2-ranks"],
+)
 def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
-    tmp_path, async_save
+    tmp_path, nproc, settings
 ) -> None:
     """Slurm job 4242 trains with a checkpoint at every step (ckpt.keep=2); a second copy of
     job 4242 takes the run dir's lease over (same job id: at once) and holds there, before
@@ -60,7 +68,9 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
     takeover. Before the fix the old copy went on until its next heartbeat (every
     run.lease_timeout_s/4 = 15 s): "7 written, 4 deleted" in both variants, the deleted
     being both checkpoints there were at the takeover (keep=2), the one the new copy was to
-    resume from among them."""
+    resume from among them. Under torchrun (2 ranks, fsdp, sharded checkpoints written by
+    each rank's writer process) every rank's files are fenced too: before the fix, "17
+    written, 13 deleted" (every rank's shards of three more checkpoints)."""
     run_dir, go = tmp_path / "run", tmp_path / "go"
     args = tiny_job_args(
         run_dir,
@@ -68,22 +78,22 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
         train_epochs=1,
         ckpt_every_steps=1,
         ckpt_keep=2,
-        ckpt_async_save=async_save,
         log_every_steps=1,
         log_tensorboard=True,
         dist_preflight=False,
         run_lease_timeout_s=60,
+        **settings,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "4242"}
     old_log, new_log = (tmp_path / "old.log").open("w+"), (tmp_path / "new.log").open("w+")
     old = subprocess.Popen(
-        train_command(None, *args), cwd=REPO, env=env, stdout=old_log, stderr=subprocess.STDOUT
+        train_command(nproc, *args), cwd=REPO, env=env, stdout=old_log, stderr=subprocess.STDOUT
     )
     new = None
     try:
         wait_for_train_rows(run_dir, old, rows=3, timeout=240)
         new = subprocess.Popen(
-            train_command(None, *args, script="tests/faults.py"),
+            train_command(nproc, *args, script="tests/faults.py"),
             cwd=REPO,
             env={**env, "TRAIN_FAULTS": f"gate@prepare=begin,file={go}"},
             stdout=new_log,
@@ -91,15 +101,15 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
         )
         wait_for((run_dir / "lease.2.json").exists, new, "the takeover")
         at_takeover = snapshot(run_dir)
-        assert old.wait(timeout=180) == 2
+        old_code = old.wait(timeout=180)
         after = snapshot(run_dir)
         assert new.poll() is None  # held at its gate: it wrote nothing either
-        # The old copy's own temporary files (named with its pid) never become a checkpoint;
-        # one it was filling at the takeover may have grown, none may have been started.
-        own = re.compile(rf"\.[^/]*\.{old.pid}\.tmp$")
-        assert {p for p in after if own.search(p)} <= {p for p in at_takeover if own.search(p)}
-        at_takeover = {p: v for p, v in at_takeover.items() if not own.search(p)}
-        after = {p: v for p, v in after.items() if not own.search(p)}
+        # The old copy's temporary files never become a checkpoint: one it was filling at the
+        # takeover may have grown, none may have been started.
+        temporary = re.compile(r"(^|/)\.[^/]*\.tmp$")
+        assert {p for p in after if temporary.search(p)} <= set(at_takeover)
+        at_takeover = {p: v for p, v in at_takeover.items() if not temporary.search(p)}
+        after = {p: v for p, v in after.items() if not temporary.search(p)}
         written = sorted(after.keys() - at_takeover.keys())
         written += sorted(p for p in after.keys() & at_takeover if after[p] != at_takeover[p])
         deleted = sorted(at_takeover.keys() - after.keys())
@@ -109,7 +119,7 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
         go.touch()
         wait_for(lambda: "resuming from" in Path(new_log.name).read_text(), new, "the resume")
         new.send_signal(signal.SIGTERM)  # a preemption: the new copy checkpoints, exits 75
-        assert new.wait(timeout=180) == 75
+        new_code = new.wait(timeout=180)
     finally:
         for proc in (old, new):
             if proc is not None and proc.poll() is None:
@@ -119,6 +129,11 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
         new_log.close()
     old_output, new_output = (Path(f.name).read_text() for f in (old_log, new_log))
     assert "was taken over by job slurm-4242" in old_output, old_output[-3000:]
+    if nproc is None:
+        assert (old_code, new_code) == (2, 75)
+    else:  # torchrun reports a worker's exit code in its summary and exits 1 itself
+        assert old_code != 0 and "exitcode: 2" in old_output, old_output[-3000:]
+        assert "checkpoint written, exiting with code 75" in new_output, new_output[-3000:]
     assert f"resuming from {resumable} at step" in new_output, new_output[-3000:]
 
 
