@@ -178,6 +178,15 @@ def _generations(run_dir: Path) -> list[int]:
     return found
 
 
+def _missing(path: Path) -> bool:
+    """Whether `path` does not exist; raises other OSErrors (ESTALE: cannot tell)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    return False
+
+
 def _read_lease(path: Path) -> dict[str, Any] | None:
     """A lease file's record: None when there is no such file; raises OSError when it cannot
     be read, ValueError when it does not parse (being created, or torn)."""
@@ -372,10 +381,11 @@ class Lease:
                 break  # silent for too long: a newcomer may already have judged it stale
             try:
                 successor = self._successor()
+                removed = successor is None and _missing(self.path)
             except OSError as err:  # ESTALE, EIO: cannot tell, so do not write
                 log.warning("run dir lease: cannot read %s (%s): not renewing", self.run_dir, err)
                 continue
-            if successor is not None:
+            if successor is not None or removed:
                 self._lose(successor)
                 break
             renewed = _clock()
@@ -389,9 +399,16 @@ class Lease:
                 continue
             self._renewed = renewed
 
-    def _lose(self, successor: dict[str, Any]) -> None:
+    def _lose(self, successor: dict[str, Any] | None) -> None:
+        """Record the takeover; `successor` None: this generation's file is gone, removed by a
+        newer holder that has released the run dir since (renewing would recreate it, and the
+        fence, which looks for generation N + 1 only, would let this job write again)."""
         assert self.fence is not None
-        self.fence.lost_to = fence.describe(successor)
+        self.fence.lost_to = (
+            fence.describe(successor)
+            if successor is not None
+            else f"a newer holder, which removed {self.path.name} and has released the run dir"
+        )
         log.error("run dir lease taken over by %s: this job must stop", self.lost_to)
 
     def stop_reason(self) -> str:

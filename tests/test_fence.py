@@ -236,3 +236,30 @@ def test_a_ranks_shard_is_not_written_in_a_run_dir_taken_over(tmp_path) -> None:
         fence.hold(None)
     assert list(folder.iterdir()) == []
     assert sharded.write_sharded(plan)  # no fence held: written (the fence did refuse it)
+
+
+def test_a_holder_whose_successor_came_and_went_does_not_write_again(tmp_path, monkeypatch) -> None:
+    """A restart of job 8 takes the lease over and releases it at once (say it found the run
+    finished), removing generations 1 and 2. The old copy's next heartbeat finds no
+    generation 2 to stop it: before the fix it renewed lease.1.json (recreating it) and held
+    the run dir again, so the fence would let it write ("the old holder never noticed")."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    old = rundir.Lease(run_dir, 2.0)  # renews every 0.5 s
+    old.acquire()
+    try:
+        new = rundir.Lease(run_dir, 60.0)
+        new.acquire()
+        new.release()
+        assert not list(run_dir.glob("lease.*.json"))
+        deadline = time.monotonic() + 30
+        while not old.lost_to:  # its next heartbeat
+            assert time.monotonic() < deadline, "the old holder never noticed"
+            time.sleep(0.05)
+        time.sleep(1.0)  # two more heartbeats' time: it renews nothing
+        assert not list(run_dir.glob("lease.*.json"))
+        with pytest.raises(rundir.RunDirBusy, match="removed lease.1.json"):
+            old.check()
+    finally:
+        old.release()
