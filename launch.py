@@ -74,7 +74,12 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
         return
     token = distributed.broadcast_object(uuid.uuid4().hex if info.is_main else None)
     marker = RunPaths(run_dir).shared_check(token)
-    distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
+
+    def write_marker() -> None:
+        fence.check(marker)  # the run dir's lease is held already: written only while it is
+        marker.write_text(token)
+
+    distributed.run_on_main(info, f"writing {marker}", write_marker)
 
     def visible() -> bool:
         try:
@@ -96,7 +101,9 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
         distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
     finally:  # every rank has voted, so none reads the marker any more
         if info.is_main:
-            marker.unlink(missing_ok=True)
+            with contextlib.suppress(fence.RunDirBusy):  # taken over: left (the run stops)
+                fence.check(marker)
+                marker.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ restarted group runs clean. TRAIN_FAULTS holds `;`-separated entries
                                large model on a slow filesystem)
     oserror@save=written,errno=ESTALE   rank 0's checkpoint write fails with that errno (an NFS
                                server that restarted, a full disk: ENOSPC)
-    gate@prepare=begin,file=PATH   waits until PATH exists (a newcomer holding the run dir's
-                               lease while the test looks at what the old copy does)
+    gate@step=5,file=PATH      touches PATH.waiting, then waits until PATH exists (at any
+                               point: a job held where the test wants it, e.g. a newcomer
+                               holding the run dir's lease before it writes anything)
 
 Save stages, in order: begin, partial (some of the checkpoint's bytes written to the
 temporary file, far from all), written (temporary file complete, not yet fsynced), renamed
@@ -110,6 +111,7 @@ class Plan:
                 code = getattr(errno, fault.errno_name)
                 raise OSError(code, f"{os.strerror(code)} (injected: {fault.errno_name})")
             if fault.action == "gate":
+                Path(f"{fault.file}.waiting").touch()
                 while not Path(fault.file).exists():
                     time.sleep(0.05)
             elif fault.action == "sleep":

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, tiny_job_args, train_command, wait_for_train_rows
+from helpers import REPO, tiny_job_args, train_command
 
 from ckpt import atomic, fence, retention, rundir
 
@@ -59,19 +59,20 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180)
 def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
     tmp_path, nproc, settings
 ) -> None:
-    """Slurm job 4242 trains with a checkpoint at every step (ckpt.keep=2); a second copy of
-    job 4242 takes the run dir's lease over (same job id: at once) and holds there, before
-    it writes anything, until the old copy has exited. From the moment lease.2.json exists
-    the old copy must change no file of the run dir (checkpoints, manifests, best.json,
-    metrics.jsonl, TensorBoard's events, progress.json) and delete none, and exit 2 naming
-    the new holder; the new copy then resumes from the checkpoint that was newest at the
-    takeover. Before the fix the old copy went on until its next heartbeat (every
-    run.lease_timeout_s/4 = 15 s): "7 written, 4 deleted" in both variants, the deleted
-    being both checkpoints there were at the takeover (keep=2), the one the new copy was to
-    resume from among them. Under torchrun (2 ranks, fsdp, sharded checkpoints written by
-    each rank's writer process) every rank's files are fenced too: before the fix, "17
-    written, 13 deleted" (every rank's shards of three more checkpoints)."""
-    run_dir, go = tmp_path / "run", tmp_path / "go"
+    """Slurm job 4242 trains with a checkpoint at every step (ckpt.keep=2) and is held after
+    step 5; a second copy of job 4242 takes the run dir's lease over (same job id: at once)
+    and holds, before it writes anything, until the old copy has exited. Once lease.2.json
+    exists and the old copy goes on, it must change no file of the run dir (checkpoints,
+    manifests, best.json, metrics.jsonl, TensorBoard's events, progress.json) and delete
+    none, and exit 2 naming the new holder; the new copy then resumes from the checkpoint
+    that was newest at the takeover. Under torchrun (2 ranks, fsdp, sharded checkpoints
+    written by each rank's writer process) every rank's files are fenced too.
+
+    Before the fix the old copy went on until its next heartbeat (every
+    run.lease_timeout_s/4 = 15 s). Taking over at a random instant (not held), it wrote 7
+    files and deleted 4 (sync and async), both checkpoints there were at the takeover, the
+    one the new copy was to resume from among them; at 2 ranks, 17 written and 13 deleted."""
+    run_dir, go, old_go = tmp_path / "run", tmp_path / "go", tmp_path / "old-go"
     args = tiny_job_args(
         run_dir,
         data_synthetic_train_size=40000,  # 2500 steps: the old copy never ends by itself
@@ -86,12 +87,18 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "4242"}
     old_log, new_log = (tmp_path / "old.log").open("w+"), (tmp_path / "new.log").open("w+")
+    # Held at a step boundary: a write checked an instant before the takeover may still land
+    # (the fence is a look-up, not a lock), so the takeover comes while none is under way.
     old = subprocess.Popen(
-        train_command(nproc, *args), cwd=REPO, env=env, stdout=old_log, stderr=subprocess.STDOUT
+        train_command(nproc, *args, script="tests/faults.py"),
+        cwd=REPO,
+        env={**env, "TRAIN_FAULTS": f"gate@step=5,file={old_go}"},
+        stdout=old_log,
+        stderr=subprocess.STDOUT,
     )
     new = None
     try:
-        wait_for_train_rows(run_dir, old, rows=3, timeout=240)
+        wait_for(Path(f"{old_go}.waiting").exists, old, "the old copy's step 5", timeout=240)
         new = subprocess.Popen(
             train_command(nproc, *args, script="tests/faults.py"),
             cwd=REPO,
@@ -101,6 +108,7 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
         )
         wait_for((run_dir / "lease.2.json").exists, new, "the takeover")
         at_takeover = snapshot(run_dir)
+        old_go.touch()
         old_code = old.wait(timeout=180)
         after = snapshot(run_dir)
         assert new.poll() is None  # held at its gate: it wrote nothing either
