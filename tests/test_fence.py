@@ -69,9 +69,10 @@ def test_the_old_copy_writes_and_deletes_nothing_once_the_same_job_takes_over(
     written by each rank's writer process) every rank's files are fenced too.
 
     Before the fix the old copy went on until its next heartbeat (every
-    run.lease_timeout_s/4 = 15 s). Taking over at a random instant (not held), it wrote 7
-    files and deleted 4 (sync and async), both checkpoints there were at the takeover, the
-    one the new copy was to resume from among them; at 2 ranks, 17 written and 13 deleted."""
+    run.lease_timeout_s/4 = 15 s): "7 written, 4 deleted" (sync), the deleted being both
+    checkpoints there were at the takeover, the one the new copy was to resume from among
+    them. Taken over at a random instant instead (not held): the same in sync and async, and
+    17 written, 13 deleted at 2 ranks."""
     run_dir, go, old_go = tmp_path / "run", tmp_path / "go", tmp_path / "old-go"
     args = tiny_job_args(
         run_dir,
