@@ -23,7 +23,7 @@ import auto
 import distributed
 import resilience
 import saturation
-from ckpt import parts
+from ckpt import fence, parts
 from config import LogConfig
 from distributed import AllReduceTimer, DistInfo
 from engine import EvalResult, StepStats
@@ -359,6 +359,7 @@ def _profiler(
         activities.append(ProfilerActivity.CUDA)
 
     def on_trace_ready(prof: Any) -> None:
+        fence.check(trace_dir)  # the run dir may have been taken over since the window began
         tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{info.rank}")(prof)
         log.info("profiler trace of steps %d-%d written under %s", start, end - 1, trace_dir)
 

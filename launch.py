@@ -29,7 +29,7 @@ import parallel
 import preflight
 import resilience
 import saturation
-from ckpt import atomic, rundir
+from ckpt import atomic, fence, rundir
 from ckpt.atomic import CheckpointError
 from config import Config, ConfigError
 from distributed import DistInfo
@@ -75,7 +75,12 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
         return
     token = distributed.broadcast_object(uuid.uuid4().hex if info.is_main else None)
     marker = RunPaths(run_dir).shared_check(token)
-    distributed.run_on_main(info, f"writing {marker}", lambda: marker.write_text(token))
+
+    def write_marker() -> None:
+        fence.check(marker)  # the run dir's lease is held already: written only while it is
+        marker.write_text(token)
+
+    distributed.run_on_main(info, f"writing {marker}", write_marker)
 
     def visible() -> bool:
         try:
@@ -97,7 +102,9 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
         distributed.raise_if_any_failed(info, error, f"checking that run.dir={run_dir} is shared")
     finally:  # every rank has voted, so none reads the marker any more
         if info.is_main:
-            marker.unlink(missing_ok=True)
+            with contextlib.suppress(fence.RunDirBusy):  # taken over: left (the run stops)
+                fence.check(marker)
+                marker.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +115,8 @@ def check_run_dir_shared(info: DistInfo, run_dir: Path, wait_s: float = 10.0) ->
 def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None]:
     """Rank 0 takes the run dir's lease (one job per run dir) before anything is written
     there, and lets go of it at the end; a run refused before writing anything leaves no
-    empty run dir behind. Yields the lease on rank 0, None elsewhere."""
+    empty run dir behind. Yields the lease on rank 0, None elsewhere; every other rank holds
+    the lease's generation as its fence (ckpt/fence.py: its shards are written there too)."""
     run_dir = Path(cfg.run.dir)
     lease = rundir.Lease(run_dir, cfg.run.lease_timeout_s)
     created = not run_dir.exists()
@@ -119,8 +127,12 @@ def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None
 
     try:
         distributed.run_on_main(info, f"taking the lease of run.dir={run_dir}", take_lease)
+        generation = distributed.broadcast_object(lease.generation if info.is_main else None)
+        if not info.is_main:
+            fence.hold(fence.Fence(run_dir, generation))
         yield lease if info.is_main else None
     finally:
+        fence.hold(None)
         if info.is_main:
             lease.release()
             if created:

@@ -261,8 +261,10 @@ class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl and mirrors scalars to TensorBoard.
 
     Only the main rank writes (`enabled`); the figures it writes are already global.
-    `holds_run_dir` (rank 0's run dir lease, rundir.Lease.valid) is asked before each write:
-    once another job has taken the run dir over, rows are dropped, not written over its own.
+    `holds_run_dir` (rank 0's run dir lease, rundir.Lease.valid: a look-up of the next
+    generation on disk) is asked before each write: once another job has taken the run dir
+    over, rows are dropped, not written over its own. TensorBoard's events are flushed with
+    each row, so that its writer thread has nothing left to write after a takeover.
     Dropping, not raising: a write is made on rank 0 alone, outside any collective, and the
     training loop stops every rank together at the next step.
     """
@@ -355,6 +357,7 @@ class MetricsWriter:
             for key, value in row.items():
                 if key not in ("kind", "step", "epoch") and isinstance(value, int | float):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
+            self._tb.flush()  # now, while the run dir is this job's (checked above)
 
     def close(self) -> None:
         if self._file is not None:

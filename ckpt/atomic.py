@@ -2,7 +2,9 @@
 
 A file is written to a temporary name beside its final one, fsynced, renamed over the final
 name, and the directory fsynced. A checkpoint's bytes are checksummed (CRC-32) as torch.save
-writes them, and their size on disk checked, before any manifest vouches for them.
+writes them, and their size on disk checked, before any manifest vouches for them. Under a
+held run dir the fence (ckpt/fence.py) is checked before the temporary file is made and again
+before it is renamed: a process that lost the run dir never finishes a write there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from ckpt import fence
 
 _READ_CHUNK = 1 << 22
 
@@ -67,8 +71,11 @@ def fsync_dir(path: Path) -> None:
 def write_temporary(path: Path, write: Callable[[BinaryIO], Any]) -> Path:
     """Call `write(file)` on a temporary file next to `path` and fsync it; return its path.
 
-    A failed write removes the temporary file and raises an OSError naming `path`.
+    A failed write removes the temporary file and raises an OSError naming `path`. A fence
+    lost meanwhile raises RunDirBusy and leaves the file (the new holder's next save removes
+    it): this process deletes nothing in a run dir it lost either.
     """
+    fence.check(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
@@ -89,6 +96,7 @@ def write_temporary(path: Path, write: Callable[[BinaryIO], Any]) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fence.check(path)  # last, right before the caller renames it into place
     return tmp
 
 

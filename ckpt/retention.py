@@ -2,7 +2,9 @@
 listing them, best.json, pruning, and the temporary files a killed save left.
 
 Both formats (`single`, `sharded`) call `require_finite` and `remove_stale_temporaries` before
-they write, and `after_save` (best.json, then pruning) once their manifest exists.
+they write, and `after_save` (best.json, then pruning) once their manifest exists. Every
+deletion here (`delete`, `remove`) checks the run dir's fence first (ckpt/fence.py): a job that
+lost the run dir never removes the checkpoint its successor resumed from.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ckpt import atomic
+from ckpt import atomic, fence
 from ckpt.atomic import CheckpointError
 from runpaths import BEST_FILE
 
@@ -63,7 +65,7 @@ def remove_stale_temporaries(directory: Path) -> None:
     """Delete temporary files left by a save that was killed (only rank 0 of one job writes
     here, and never two saves at once, so no temporary file belongs to a live save)."""
     for path in [*directory.glob(".*.tmp"), *directory.glob("step_*/.*.tmp")]:
-        path.unlink(missing_ok=True)
+        delete(path)
     # A re-save killed between its rename and its manifest: the second manifest becomes the
     # manifest if it vouches for the bytes in place, else it vouches for nothing.
     for pending in directory.glob("step_*.manifest.next.json"):
@@ -74,9 +76,10 @@ def remove_stale_temporaries(directory: Path) -> None:
         except (OSError, CheckpointError):
             settled = False
         if settled:
+            fence.check(pending)
             os.replace(pending, manifest_path(path))
         else:
-            pending.unlink(missing_ok=True)
+            delete(pending)
 
 
 def after_save(directory: Path, step: int, keep: int, accuracy: float | None) -> None:
@@ -124,15 +127,22 @@ def _prune(directory: Path, keep: int, saved_step: int, best_step: int | None) -
     for step, path in complete[:-keep]:
         if step not in (best_step, saved_step):
             remove(path)
-            manifest_path(path).unlink(missing_ok=True)
+            delete(manifest_path(path))
     for orphan in directory.glob("step_*.manifest*.json"):
         stem = orphan.name.removesuffix(".json").removesuffix(".next").removesuffix(".manifest")
         if not orphan.with_name(stem + ".pt").exists() and not orphan.with_name(stem).is_dir():
-            orphan.unlink(missing_ok=True)
+            delete(orphan)
+
+
+def delete(path: Path) -> None:
+    """Unlink a file of the run dir, if this process still holds it (the fence)."""
+    fence.check(path)
+    path.unlink(missing_ok=True)
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint's file or folder (not its manifest)."""
+    """Delete a checkpoint's file or folder (not its manifest), fence checked first."""
+    fence.check(path)
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     else:

@@ -1,9 +1,8 @@
 """Who owns a run directory, and whether its attempts make progress.
 
-- `Lease`: one job per run dir. Rank 0 takes the lease before anything is written there,
-  renews it while the job runs, and checks it before each write of the run (checkpoints,
-  metrics.jsonl and TensorBoard rows, config.json, origin.json, the attempt count in
-  progress.json; a background checkpoint write is checked when it starts).
+- `Lease`: one job per run dir. Rank 0 takes the lease before anything is written there and
+  renews it while the job runs; every write and deletion under the run dir first looks the
+  next generation up on disk (ckpt/fence.py), in every process that writes there.
 - `count_attempt`: the crash-loop breaker. `<run.dir>/progress.json` counts the attempts that
   started from the same checkpoint step; past `run.max_attempts_without_progress` the run
   exits 76 ("no progress: do not restart") instead of failing the same way again. A
@@ -34,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import exitcodes
-from ckpt import atomic, retention
-from config import ConfigError
+from ckpt import atomic, fence, retention
+from ckpt.fence import RunDirBusy
 from runpaths import LEASE_GLOB, RunPaths
 
 log = logging.getLogger(__name__)
@@ -46,10 +45,6 @@ _ANONYMOUS_RUN_IDS = ("", "none", "ddp-job")
 # A lease file that exists but does not parse yet is being created (O_EXCL first, then the
 # record) or renamed over: read it again for this long before judging it by its age.
 _READ_RETRY_S = 2.0
-
-
-class RunDirBusy(ConfigError):
-    """Another live job holds the run dir's lease (or took it over from this one)."""
 
 
 class LeaseExpired(OSError):
@@ -183,6 +178,15 @@ def _generations(run_dir: Path) -> list[int]:
     return found
 
 
+def _missing(path: Path) -> bool:
+    """Whether `path` does not exist; raises other OSErrors (ESTALE: cannot tell)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    return False
+
+
 def _read_lease(path: Path) -> dict[str, Any] | None:
     """A lease file's record: None when there is no such file; raises OSError when it cannot
     be read, ValueError when it does not parse (being created, or torn)."""
@@ -196,14 +200,6 @@ def _read_lease(path: Path) -> dict[str, Any] | None:
     return value
 
 
-def _describe(holder: dict[str, Any], now: float | None = None) -> str:
-    age = (time.time() if now is None else now) - float(holder.get("heartbeat", 0))
-    return (
-        f"job {holder.get('job')} (host {holder.get('host')}, pid {holder.get('pid')}, "
-        f"lease generation {holder.get('generation')}, heartbeat {age:.0f} s ago)"
-    )
-
-
 class Lease:
     """The run dir's lease, held by rank 0 for the whole run (see the module's text)."""
 
@@ -213,7 +209,7 @@ class Lease:
         self.me = ProcessId.current()
         self.job = job_id()
         self.generation = 0  # the generation held; 0 before acquire
-        self.lost_to = ""  # who took the lease over while this job ran
+        self.fence: fence.Fence | None = None  # the generation's token, once held
         self._renewed = 0.0  # _clock() before the last renewal that reached the file
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -221,6 +217,11 @@ class Lease:
     @property
     def path(self) -> Path:
         return lease_path(self.run_dir, self.generation)
+
+    @property
+    def lost_to(self) -> str:
+        """Who took the lease over while this job ran ('' while no one is known to)."""
+        return self.fence.lost_to if self.fence is not None else ""
 
     def record(self) -> dict[str, Any]:
         now = time.time()
@@ -251,6 +252,8 @@ class Lease:
         else:
             raise RunDirBusy(f"run.dir={self.run_dir}: lost 100 races for its lease in a row")
         self._collect(generations)
+        self.fence = fence.Fence(self.run_dir, self.generation)
+        fence.hold(self.fence)  # this process's writes under the run dir check it from now on
         self._thread = threading.Thread(target=self._beat, name="run-dir-lease", daemon=True)
         self._thread.start()
 
@@ -271,7 +274,7 @@ class Lease:
                 f"was written {age:.0f} s ago: another job may hold it. Try again later, or use "
                 "another --run.dir"
             )
-        who = _describe(holder)
+        who = fence.describe(holder)
         holder_id = ProcessId(
             str(holder.get("boot_id", "")),
             str(holder.get("pid_ns", "")),
@@ -311,8 +314,8 @@ class Lease:
         age = time.time() - float(holder.get("heartbeat", 0))
         if age <= self.timeout_s:
             raise RunDirBusy(
-                f"run.dir={self.run_dir} is in use by {_describe(holder)}, a job of an earlier "
-                f"version ({legacy.name}): two jobs in one run dir would overwrite each "
+                f"run.dir={self.run_dir} is in use by {fence.describe(holder)}, a job of an "
+                f"earlier version ({legacy.name}): two jobs in one run dir would overwrite each "
                 f"other's checkpoints and metrics. Use another --run.dir, or wait: its lease "
                 f"expires {max(0.0, self.timeout_s - age):.0f} s from now"
             )
@@ -378,23 +381,39 @@ class Lease:
                 break  # silent for too long: a newcomer may already have judged it stale
             try:
                 successor = self._successor()
+                removed = successor is None and _missing(self.path)
             except OSError as err:  # ESTALE, EIO: cannot tell, so do not write
                 log.warning("run dir lease: cannot read %s (%s): not renewing", self.run_dir, err)
                 continue
-            if successor is not None:
-                self.lost_to = _describe(successor)
-                log.error("run dir lease taken over by %s: this job must stop", self.lost_to)
+            if successor is not None or removed:
+                self._lose(successor)
                 break
             renewed = _clock()
             try:
                 _write_json(self.path, self.record())
+            except RunDirBusy:  # taken over since the look-up above (the write's own fence)
+                log.error("run dir lease taken over by %s: this job must stop", self.lost_to)
+                break
             except OSError as err:
                 log.warning("run dir lease: cannot renew %s (%s)", self.path, err)
                 continue
             self._renewed = renewed
 
+    def _lose(self, successor: dict[str, Any] | None) -> None:
+        """Record the takeover; `successor` None: this generation's file is gone, removed by a
+        newer holder that has released the run dir since (renewing would recreate it, and the
+        fence, which looks for generation N + 1 only, would let this job write again)."""
+        assert self.fence is not None
+        self.fence.lost_to = (
+            fence.describe(successor)
+            if successor is not None
+            else f"a newer holder, which removed {self.path.name} and has released the run dir"
+        )
+        log.error("run dir lease taken over by %s: this job must stop", self.lost_to)
+
     def stop_reason(self) -> str:
-        """'' while this job holds the lease, else why it must stop (no I/O: cheap each step)."""
+        """'' while this job holds the lease, else why it must stop (no I/O: cheap each step,
+        and up to timeout/4 late: `check` before a write looks on disk)."""
         if self.lost_to:
             return f"another job took the run dir's lease over: {self.lost_to}"
         silent = _clock() - self._renewed
@@ -406,26 +425,23 @@ class Lease:
         return ""
 
     def valid(self) -> bool:
-        return not self.stop_reason()
+        """Whether this job may write to the run dir now (`check`, as a bool: one stat)."""
+        try:
+            self.check()
+        except (OSError, RunDirBusy):
+            return False
+        return True
 
     def check(self) -> None:
         """Raise unless this job may write to the run dir (call it right before each write):
-        RunDirBusy naming the new holder when another job took the lease over, LeaseExpired
-        when this job could not renew it in time and no one has taken it yet."""
+        RunDirBusy naming the new holder once the next generation exists on disk (one stat,
+        not the heartbeat's flag), LeaseExpired when this job could not renew the lease in
+        time, an OSError when the look-up itself fails (then nothing may be written)."""
+        if self.fence is not None:
+            self.fence.check()
         reason = self.stop_reason()
         if not reason:
             return
-        if not self.lost_to:  # expired: name the new holder if there is one (a read only)
-            with contextlib.suppress(OSError):
-                successor = self._successor()
-                if successor is not None:
-                    self.lost_to = _describe(successor)
-        if self.lost_to:
-            raise RunDirBusy(
-                f"run.dir={self.run_dir} was taken over by {self.lost_to}, which owns it now: "
-                "stopping without writing anything more, so that the two jobs do not overwrite "
-                "each other. Do not restart this job in this run dir"
-            )
         raise LeaseExpired(
             errno.ETIMEDOUT,
             f"run.dir={self.run_dir}: {reason} (the filesystem failed the renewals, or this "
@@ -437,6 +453,8 @@ class Lease:
         """Stop renewing; remove the lease (and the generations below it) if it is still this
         job's: no newer generation exists."""
         self._stop.set()
+        if fence.held() is self.fence:
+            fence.hold(None)
         if self._thread is None:
             return
         self._thread.join()

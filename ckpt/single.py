@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ckpt import atomic, retention
+from ckpt import atomic, fence, retention
 from ckpt.atomic import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,7 @@ def save(
     newest good checkpoint is never removed before its successor is verified.
     """
     retention.require_finite(state.get("model", {}), step)
+    fence.check(directory)  # a writer process too: never a write for a holder that lost
     directory.mkdir(parents=True, exist_ok=True)
     retention.remove_stale_temporaries(directory)
     path = directory / f"step_{step}.pt"
@@ -46,9 +47,10 @@ def save(
     # The manifest's write below fsyncs the directory for this rename too. Until then a crash
     # may lose the new name: loading skips a manifest without its file, and the older ones
     # remain.
+    fence.check(path)
     os.replace(tmp, path)
     atomic.write_bytes(retention.manifest_path(path), lambda f: f.write(payload))
-    retention.next_manifest_path(path).unlink(missing_ok=True)
+    retention.delete(retention.next_manifest_path(path))
     retention.after_save(directory, step, keep, accuracy)
     log.info("saved checkpoint %s (%d bytes, crc32 %s)", path, size, expected)
     return path

@@ -6,7 +6,9 @@ checkpoint in it slowed training down by more than a synchronous save cost (the 
 tensors into shared-memory buffers (allocated at the first save and reused by every later one)
 and sends the plain rest of the state over a socket; a child process runs `single.save` on
 them, with every guarantee a synchronous save has (atomic, fsynced, manifest last, pruning
-after), and the same tensors and strides as the synchronous save writes.
+after, the run dir's fence checked before each write and deletion: each job carries the
+training process's, ckpt/fence.py), and the same tensors and strides as the synchronous save
+writes.
 
 The writer process is a fresh interpreter (nothing of the training process is forked); it
 gets the buffers as memfds over a Unix socket, a batch at a time; it ignores the signals a
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 import exitcodes
-from ckpt import sharded, single
+from ckpt import fence, sharded, single
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +187,7 @@ class ProcessSaver:
                     raise detail
             _copy_all(buffers, values)
             sent = True
-            _send(self._socket, ("job", skeleton, len(values), job), [])
+            _send(self._socket, ("job", skeleton, len(values), job, fence.held()), [])
         except BaseException as err:
             if not sent:  # nothing reached the writer (a buffer could not be made)
                 raise
@@ -490,8 +492,9 @@ def _serve(sock: socket.socket) -> None:
                     os.close(fd)
             _send(sock, reply, [])
             continue
-        _, skeleton, count, job = message
+        _, skeleton, count, job, held = message
         del buffers[count:]
+        fence.hold(held)  # the training process's: a write for a holder that lost never ends
         try:
             state = sharded.unflatten(skeleton, dict(enumerate(buffers)), _MARKER)
             reply = ("ok", _run(job, state))

@@ -18,6 +18,9 @@ restarted group runs clean. TRAIN_FAULTS holds `;`-separated entries
                                large model on a slow filesystem)
     oserror@save=written,errno=ESTALE   rank 0's checkpoint write fails with that errno (an NFS
                                server that restarted, a full disk: ENOSPC)
+    gate@step=5,file=PATH      touches PATH.waiting, then waits until PATH exists (at any
+                               point: a job held where the test wants it, e.g. a newcomer
+                               holding the run dir's lease before it writes anything)
 
 Save stages, in order: begin, partial (some of the checkpoint's bytes written to the
 temporary file, far from all), written (temporary file complete, not yet fsynced), renamed
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep", "oserror")
+ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep", "oserror", "gate")
 POINTS = ("step", "save", "prepare")
 
 
@@ -52,6 +55,7 @@ class Fault:
     restart: int
     seconds: float = 0.0  # for sleep
     errno_name: str = "EIO"  # for oserror
+    file: str = ""  # for gate
 
 
 def parse(spec: str) -> list[Fault]:
@@ -70,6 +74,7 @@ def parse(spec: str) -> list[Fault]:
                 restart=int(extra.get("restart", 0)),
                 seconds=float(extra.get("seconds", 0)),
                 errno_name=extra.get("errno", "EIO"),
+                file=extra.get("file", ""),
             )
         except (ValueError, KeyError):
             raise ValueError(
@@ -105,7 +110,11 @@ class Plan:
             if fault.action == "oserror":
                 code = getattr(errno, fault.errno_name)
                 raise OSError(code, f"{os.strerror(code)} (injected: {fault.errno_name})")
-            if fault.action == "sleep":
+            if fault.action == "gate":
+                Path(f"{fault.file}.waiting").touch()
+                while not Path(fault.file).exists():
+                    time.sleep(0.05)
+            elif fault.action == "sleep":
                 time.sleep(fault.seconds)
             elif fault.action != "nan":
                 signum = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM}.get(
