@@ -32,9 +32,12 @@ class RunDirBusy(ConfigError):
 def describe(holder: dict[str, Any], now: float | None = None) -> str:
     """A lease record as the messages name its holder."""
     age = (time.time() if now is None else now) - float(holder.get("heartbeat", 0))
+    # A heartbeat from the future: this host's clock is behind the holder's, and every age
+    # (the lease's expiry) read here is off by as much.
+    beat = f"{age:.0f} s ago" if age > -1 else f"{-age:.0f} s in the future: clock skew"
     return (
         f"job {holder.get('job')} (host {holder.get('host')}, pid {holder.get('pid')}, "
-        f"lease generation {holder.get('generation')}, heartbeat {age:.0f} s ago)"
+        f"lease generation {holder.get('generation')}, heartbeat {beat})"
     )
 
 

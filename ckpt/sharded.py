@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import sharding
-from ckpt import atomic, retention
+from ckpt import atomic, fence, retention
 from ckpt.atomic import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,7 @@ def finish_sharded(
             atomic.write_bytes(retention.manifest_path(folder), lambda f: f.write(payload))
             for stale in folder.iterdir():  # a re-save's predecessor, vouched for no longer
                 if stale.name not in listed:
+                    fence.check(stale)  # never a deletion in a run dir taken over
                     stale.unlink(missing_ok=True)
             retention.after_save(directory, plan.step, keep, accuracy)
             total = sum(entry["bytes"] for entry in listed.values())

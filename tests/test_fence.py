@@ -272,3 +272,12 @@ def test_a_holder_whose_successor_came_and_went_does_not_write_again(tmp_path, m
             old.check()
     finally:
         old.release()
+
+
+def test_a_heartbeat_from_the_future_is_named_as_clock_skew() -> None:
+    """Before, a holder whose host clock ran ahead showed 'heartbeat -100 s ago'."""
+    from ckpt import fence
+
+    holder = {"job": "j", "host": "h", "pid": 1, "generation": 2, "heartbeat": 1100.0}
+    assert fence.describe(holder, now=1000.0).endswith("heartbeat 100 s in the future: clock skew)")
+    assert fence.describe(holder, now=1130.0).endswith("heartbeat 30 s ago)")
