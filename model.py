@@ -1,6 +1,6 @@
 """The network: MiniResNet (a small residual network for 28x28 and 32x32 images), any
 torchvision classification builder by name, or the user's own factory; and initial weights
-from a local file. Nothing here knows of DDP.
+from a local file (read by weightfiles.py, fitted here). Nothing here knows of DDP.
 """
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 import sharding
-from ckpt import retention, storage
-from ckpt.atomic import CheckpointError
+import weightfiles
 from config import MINI_RESNET, ConfigError, ModelConfig, load_factory
 
 log = logging.getLogger(__name__)
@@ -420,37 +418,6 @@ def _dropped_heads(model: nn.Module, keys: list[str]) -> list[str]:
     return [key for key in keys if "." in key and getattr(model, key.split(".")[0], 0) is None]
 
 
-def evaluated_weights(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The state dict a checkpoint's run evaluated, and so the one its logged and best accuracy
-    belong to: the weight average (its "ema" part) when train.ema_decay was on, else the model's
-    ("model"). Resuming uses both; inference and fine-tuning want this one."""
-    average = checkpoint.get("ema")
-    if isinstance(average, dict) and isinstance(average.get("weights"), dict):
-        return average["weights"]
-    return checkpoint["model"]
-
-
-def _bare(state: Any) -> dict[str, torch.Tensor] | None:
-    """A state dict of tensors out of what a weights file holds: a bare state dict, one under
-    "state_dict" (timm, Lightning), or this pipeline's checkpoint (`evaluated_weights`), with
-    DDP's `module.` and torch.compile's `_orig_mod.` prefixes removed."""
-    if isinstance(state, dict):
-        if isinstance(state.get("model"), dict):
-            state = evaluated_weights(state)
-        elif isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        return None
-    bare = {}
-    for key, value in state.items():
-        for prefix in ("module.", "_orig_mod."):
-            key = key.removeprefix(prefix)
-        bare[key] = value
-    return bare
-
-
 def _but_channels(shape: torch.Size) -> tuple[int, ...]:
     return (shape[0], *shape[2:])
 
@@ -461,7 +428,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     first convolution for another number of input channels is fitted (`fit_stem_weight`).
     Anything else that does not fit is bad input naming the keys."""
     where = f"model.weights={path}"
-    state = _read_state(path, where)
+    state = weightfiles.read_state(path, where)
     own = model.state_dict()
     kept, replaced, misshapen = _fit_to_model(model, own, state)
     missing = [
@@ -477,35 +444,6 @@ def load_weights(model: nn.Module, path: str) -> None:
     _raise_unless_fits(where, missing, unexpected, misshapen)
     sharding.load_full_state_dict(model, kept, strict=False)  # each rank its fsdp shard
     _log_loaded(path, kept, replaced, dropped)
-
-
-def _read_state(path: str, where: str) -> dict[str, torch.Tensor]:
-    """The bare state dict in `path` (`_bare`), or bad input saying why there is none. A
-    checkpoint of this pipeline given by its folder (sharded) or its manifest is read as a
-    resume reads it (verified, weights_only), whole."""
-    given = Path(path)
-    if given.name.endswith(".manifest.json"):  # the checkpoint it vouches for
-        stem = given.with_name(given.name.removesuffix(".manifest.json"))
-        given = stem if stem.is_dir() else stem.with_name(stem.name + ".pt")
-    if given.is_dir():
-        if not retention.manifest_path(given).is_file():
-            raise ConfigError(
-                f"{where} is a folder without a checkpoint manifest beside it: give a state "
-                "dict file, or a sharded checkpoint's folder (checkpoints/step_<N>)"
-            )
-        try:
-            return _bare(storage.load(given, torch.device("cpu"))) or {}
-        except CheckpointError as err:
-            raise ConfigError(f"{where} cannot be loaded: {err}") from None
-    if not given.is_file():
-        raise ConfigError(f"{where}: the file does not exist")
-    try:
-        state = _bare(torch.load(given, map_location="cpu", weights_only=True))
-    except Exception as err:  # not a torch file, truncated, or objects weights_only refuses
-        raise ConfigError(f"{where} cannot be loaded (weights_only): {err}") from None
-    if state is None:
-        raise ConfigError(f"{where} holds no state dict (a dict of tensors by parameter name)")
-    return state
 
 
 def _fit_to_model(

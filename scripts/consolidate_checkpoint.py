@@ -9,7 +9,7 @@ file. It is checked against its manifest (every file's size and CRC-32) and load
 
 --out DIR writes the whole state as DIR/step_<N>.pt with its manifest: a checkpoint in one
 file, which `--ckpt.resume=DIR/step_<N>.pt` continues at any world size and strategy.
---weights FILE writes the state_dict the run evaluated alone (model.evaluated_weights: the
+--weights FILE writes the state_dict the run evaluated alone (weightfiles.evaluated_weights: the
 weight average when train.ema_decay was on, else the model's), which `--model.weights=FILE` and
 `torch.load(FILE, weights_only=True)` read; with --trained, the model's as the last step left
 it (--ema insists on the average).
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from ckpt import atomic, retention, single, storage  # noqa: E402
 from ckpt.atomic import CheckpointError  # noqa: E402
-from model import evaluated_weights  # noqa: E402
+from weightfiles import evaluated_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -376,3 +376,57 @@ def test_a_vit_image_size_not_a_multiple_of_its_patch_is_bad_input_naming_both()
         ),
     ):
         models.build(ModelConfig(name="vit_b_16", kwargs='{"image_size": 40}'), (3, 40, 40), 5)
+
+
+def test_weights_as_torchvisions_reference_scripts_save_them_are_read(tmp_path) -> None:
+    """references/classification/train.py saves {"model", "optimizer", "lr_scheduler",
+    "epoch", "args": argparse.Namespace}; before, weights_only refused the Namespace with
+    torch's "Unsupported global" text. Read safely: the Namespace is a bag of attributes."""
+    import argparse
+
+    source = MiniResNet(in_channels=1, num_classes=10)
+    path = tmp_path / "checkpoint.pth"
+    args = argparse.Namespace(lr=0.5, model="mini", epochs=90)
+    torch.save({"model": source.state_dict(), "epoch": 89, "args": args}, path)
+    model = MiniResNet(in_channels=1, num_classes=10)
+    models.load_weights(model, str(path))
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A .safetensors file written by hand from its spec (github.com/huggingface/safetensors,
+    "Format"): u64 little-endian header length, the JSON header, the raw bytes."""
+    import json
+    import struct
+
+    names = {torch.float32: "F32", torch.int64: "I64", torch.bfloat16: "BF16"}
+    header, data = {"__metadata__": {"format": "pt"}}, b""
+    for name, tensor in tensors.items():
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {
+            "dtype": names[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
+        data += raw
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+def test_a_safetensors_file_is_read_without_the_safetensors_package(tmp_path) -> None:
+    """Before, a .safetensors file went to torch.load, which cannot read it (and the package
+    that can is not in the lock)."""
+    source = MiniResNet(in_channels=1, num_classes=10)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(safetensors_bytes(source.state_dict()))
+    model = MiniResNet(in_channels=1, num_classes=10)
+    models.load_weights(model, str(path))
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    odd = {"x": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "e": torch.zeros(0)}
+    (tmp_path / "odd.safetensors").write_bytes(safetensors_bytes(odd))
+    import weightfiles
+
+    read = weightfiles.read_safetensors(tmp_path / "odd.safetensors")
+    assert torch.equal(read["x"], odd["x"]) and read["e"].shape == (0,)

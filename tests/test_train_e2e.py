@@ -627,6 +627,7 @@ def test_the_best_checkpoints_weights_give_the_logged_accuracy(tmp_path) -> None
     the checkpoint's `model`, the trained weights (0.633 against a logged 0.600 in one run).
     Reference: a plain evaluation loop here, on the run's own eval set and batch size."""
     import model
+    import weightfiles
     from cli import parse_args
     from distributed import DistInfo
 
@@ -658,7 +659,7 @@ def test_the_best_checkpoints_weights_give_the_logged_accuracy(tmp_path) -> None
                 correct += (logits.argmax(1) == labels).sum().item()
         return correct / len(splits.eval), loss / len(splits.eval)
 
-    accuracy, loss = evaluate(model.evaluated_weights(state))
+    accuracy, loss = evaluate(weightfiles.evaluated_weights(state))
     assert accuracy == logged["accuracy"]
     assert loss == pytest.approx(logged["loss"], rel=1e-5)
     _, trained_loss = evaluate(state["model"])  # the test tells the two apart
