@@ -335,6 +335,12 @@ def device_mesh(info: DistInfo, strategy: str) -> DeviceMesh:
             f"dist.strategy=hybrid needs the same number of ranks on every node: world size "
             f"{info.world_size} is not a multiple of LOCAL_WORLD_SIZE={per_node}"
         )
+    if info.world_size == per_node and info.is_main:  # one node: nothing to replicate over
+        log.warning(
+            "dist.strategy=hybrid on one node (%d ranks) shards over all of them, as fsdp "
+            "does: hybrid replicates across nodes, and there is one",
+            per_node,
+        )
     return init_device_mesh(
         info.device.type,
         (info.world_size // per_node, per_node),

@@ -111,7 +111,10 @@ def test_every_strategy_at_two_ranks_trains_as_one_rank_on_the_full_batch(tmp_pa
     reference_eval = rows(tmp_path / "one", "eval")
     assert reference["step"] == 20
     for strategy in ("ddp", "zero", "fsdp", "hybrid"):
-        train(tmp_path / strategy, 2, strategy)
+        output = train(tmp_path / strategy, 2, strategy)
+        # Hybrid on one node is fsdp, and says so (before: without a word).
+        one_node = "dist.strategy=hybrid on one node (2 ranks) shards over all of them"
+        assert (one_node in output) == (strategy == "hybrid"), strategy
         state = final_state(tmp_path / strategy)
         assert state["step"] == 20, strategy
         difference = relative_difference(state["model"], reference["model"])
