@@ -3,7 +3,7 @@
 `check_job` (collective, before anything is built): every rank runs the same config on the same
 data (preflight) and sees the run dir rank 0 writes. `holding_run_dir` holds the run dir's lease
 (one job per run dir) on rank 0 for the whole run. Once resuming is settled, `check_progress`
-counts the attempt (the crash-loop breaker) and `write_settled` writes config.json.
+counts the `Attempt` (the crash-loop breaker) and `write_settled` writes config.json.
 `launch_was_preempted` reads the marker files that scripts/supervise.py reads (exitcodes.py
 names them; `exitcodes.report_to_launcher` writes them), and `exit_code` picks the exit code a
 failed run ends with.
@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -127,16 +128,52 @@ def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None
                     run_dir.rmdir()
 
 
-def check_progress(
-    cfg: Config, info: DistInfo, step: int, lease: rundir.Lease | None = None
-) -> None:
-    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together."""
+class Attempt:
+    """This attempt's entry in the crash-loop breaker (rundir.count_attempt), on rank 0.
+
+    Counted once resuming is settled; uncounted at most once when the attempt ends in a way
+    that is not the run's fault: a preemption (by the preemption watcher the moment the signal
+    arrives, so that an evaluation or a save outlasting the grace cannot leave it counted; at
+    the step boundary for a signal only another rank received) or a transient storage error
+    (exit 74). Both threads call it, hence the lock; a stop before the count uncounts at once.
+    """
+
+    def __init__(self, run_dir: Path, lease: rundir.Lease | None) -> None:
+        self.run_dir, self.lease = run_dir, lease
+        self._lock = threading.Lock()
+        self._counted = self._not_counting = self._uncounted = False
+
+    def count(self, step: int, limit: int) -> None:
+        with self._lock:
+            if self.lease is not None:
+                self.lease.check()  # progress.json is written only while this job holds the dir
+            rundir.count_attempt(self.run_dir, step, limit)
+            self._counted = True
+        if self._not_counting:
+            self.uncount()
+
+    def uncount(self) -> None:
+        with self._lock:
+            self._not_counting = True
+            if not self._counted or self._uncounted:
+                return
+            self._uncounted = True
+            if self.lease is None or self.lease.valid():  # a lost lease: write nothing
+                rundir.uncount_attempt(self.run_dir)
+
+
+def ends_in_transient_io(err: BaseException) -> bool:
+    """Whether `err` ends the run with exit 74 (a network filesystem's hiccup)."""
+    return isinstance(err, OSError) and exitcodes.exit_for_os_error(err) == exitcodes.EXIT_IO
+
+
+def check_progress(cfg: Config, info: DistInfo, step: int, attempt: Attempt | None) -> None:
+    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together.
+    `attempt`: rank 0's, None elsewhere."""
     message = None
-    if info.is_main:
+    if attempt is not None:
         try:
-            if lease is not None:
-                lease.check()  # progress.json is written only while this job holds the dir
-            rundir.count_attempt(Path(cfg.run.dir), step, cfg.run.max_attempts_without_progress)
+            attempt.count(step, cfg.run.max_attempts_without_progress)
         except rundir.NoProgress as err:
             message = str(err)
         # The count is a safeguard: never the reason a run fails. A lost lease stops the run

@@ -99,6 +99,10 @@ class Trainer:
         decay = cfg.train.ema_decay
         self.ema = engine.WeightAverage(self.parallel.bare, decay) if decay else None
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
+        # Rank 0's entry in the crash-loop breaker, uncounted the moment a stop signal arrives.
+        self.attempt = launch.Attempt(self.paths.root, lease) if info.is_main else None
+        if self.attempt is not None:
+            preemption.on_stop(self.attempt.uncount)
         self.buffers = engine.BufferSnapshot(self.model)
         self.guard = resilience.StepGuard(
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
@@ -337,7 +341,7 @@ class Trainer:
 
     def settle_run_dir(self) -> None:
         """Count this attempt (the crash-loop breaker), then write the config (rank 0)."""
-        launch.check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
+        launch.check_progress(self.cfg, self.info, self.position.step, self.attempt)
         distributed.run_on_main(
             self.info,
             f"writing {self.paths.config}",
@@ -442,7 +446,9 @@ class Trainer:
         """Exact loss and accuracy over the whole evaluation set (a collective).
 
         BatchNorm statistics are averaged over ranks first, so every rank evaluates the same
-        model; a pending evaluation's were averaged before its checkpoint was written.
+        model; a pending evaluation's were averaged before its checkpoint was written. A stop
+        signal ends it after the batch at hand (the preemption budget is a step plus a save):
+        the checkpoint then owes it, and the resumed run evaluates first.
         """
         if not self.pending_eval:
             distributed.average_buffers(self.model)
@@ -452,7 +458,7 @@ class Trainer:
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             loaded = iter(self.eval_loader)
-            while True:
+            while not self.preemption.received:  # local: ranks may hold unequal shares
                 try:
                     images, labels = next(loaded)
                 except StopIteration:
@@ -474,6 +480,7 @@ class Trainer:
                 self.input_shape,
             )
         self.save_if_evaluation_failed(failed[0] if failed else None)
+        self.stop_if(self.stop_requested(), buffers_averaged=True)  # the result may be partial
         self.instruments.log_eval(result, self.ledger)
         if result.num_samples < self.num_eval:
             log.warning(
@@ -510,7 +517,7 @@ class Trainer:
                 self.position.step, accuracy, pending_eval=pending_eval, wait=wait
             )
 
-    def stop_if(self, signal_name: str | None) -> None:
+    def stop_if(self, signal_name: str | None, buffers_averaged: bool = False) -> None:
         """After a preemption signal: checkpoint where every rank stopped, tell the launcher,
         and end the run (exit 75).
 
@@ -521,11 +528,10 @@ class Trainer:
         if signal_name is None:
             return
         step = self.position.step
-        lease = self.checkpoints.lease  # a lost lease stops here too: then write nothing
-        if self.info.is_main and (lease is None or lease.valid()):  # a stop, not a failure,
-            rundir.uncount_attempt(self.paths.root)  # even if the save below is killed
+        if self.attempt is not None:  # a stop, not a failure, even if the save is killed (the
+            self.attempt.uncount()  # watcher did it already unless another rank was signalled)
         at_segment_end = self.steps_left_in_epoch() == 0 or step == self.total_steps
-        if at_segment_end:
+        if at_segment_end and not buffers_averaged:
             distributed.average_buffers(self.model)
         self.save(pending_eval=at_segment_end, wait=True)
         if self.info.is_main:  # progress: restarts after this one start counting anew

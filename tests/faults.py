@@ -18,6 +18,12 @@ restarted group runs clean. TRAIN_FAULTS holds `;`-separated entries
                                large model on a slow filesystem)
     oserror@save=written,errno=ESTALE   rank 0's checkpoint write fails with that errno (an NFS
                                server that restarted, a full disk: ENOSPC)
+    oserror@save=written,errno=ESTALE,until=T   ... every attempt (any restart) until the wall
+                               clock time T (a storage outage of a few seconds)
+    preempt@eval=begin,rank=0  rank 0 sends SIGTERM to the launcher (scripts/supervise.py, the
+                               parent of torchrun; without torchrun, this process's parent) as
+                               its first evaluation batch is loaded: a scheduler's stop
+    sleep@eval=batch,seconds=1 every evaluation batch takes a second longer (a large eval set)
 
 Save stages, in order: begin, partial (some of the checkpoint's bytes written to the
 temporary file, far from all), written (temporary file complete, not yet fsynced), renamed
@@ -39,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep", "oserror")
-POINTS = ("step", "save", "prepare")
+ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep", "oserror", "preempt")
+POINTS = ("step", "save", "prepare", "eval")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Fault:
     restart: int
     seconds: float = 0.0  # for sleep
     errno_name: str = "EIO"  # for oserror
+    until: float = 0.0  # for oserror: fire in every attempt until this wall-clock time
 
 
 def parse(spec: str) -> list[Fault]:
@@ -70,6 +77,7 @@ def parse(spec: str) -> list[Fault]:
                 restart=int(extra.get("restart", 0)),
                 seconds=float(extra.get("seconds", 0)),
                 errno_name=extra.get("errno", "EIO"),
+                until=float(extra.get("until", 0)),
             )
         except (ValueError, KeyError):
             raise ValueError(
@@ -87,7 +95,7 @@ class Plan:
     """The faults of this process's attempt, and carrying them out."""
 
     def __init__(self, faults: list[Fault], restart: int) -> None:
-        self.faults = [fault for fault in faults if fault.restart == restart]
+        self.faults = [fault for fault in faults if fault.restart == restart or fault.until]
 
     def matching(self, point: str, value: object, rank: int) -> list[Fault]:
         return [
@@ -99,6 +107,11 @@ class Plan:
     def fire(self, point: str, value: object, rank: int = 0) -> None:
         """Carry out the kill, signal, hang or sleep faults planned at this point."""
         for fault in self.matching(point, value, rank):
+            if fault.until and time.time() > fault.until:
+                continue  # the outage is over
+            if fault.action == "preempt":
+                os.kill(launcher_pid(), signal.SIGTERM)
+                continue
             if fault.action == "hang":
                 while True:
                     time.sleep(3600)
@@ -118,6 +131,15 @@ class Plan:
     def poisons(self, step: int, rank: int) -> bool:
         """Whether the loss of the step after `step` steps must be made NaN on this rank."""
         return any(f.action == "nan" for f in self.matching("step", step, rank))
+
+
+def launcher_pid() -> int:
+    """The launcher above this worker: torchrun's parent under torchrun, else the parent."""
+    parent = os.getppid()
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return parent
+    stat = Path(f"/proc/{parent}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 class _CountingFile:
@@ -154,6 +176,7 @@ def install(plan: Plan) -> None:
     """Wrap the production functions at the points the plan names."""
     from torch import nn
 
+    import engine
     import train
     from ckpt import atomic, retention, sharded, single
     from inputs import sources
@@ -222,6 +245,21 @@ def install(plan: Plan) -> None:
 
         def forward(self, logits: Any, labels: Any) -> Any:
             return self.loss_fn(logits, labels) * float("nan")
+
+    # -- evaluation batches --
+    def evaluate(original: Callable, model: Any, batches: Any, *args: Any, **kwargs: Any) -> Any:
+        rank = int(os.environ.get("RANK", "0"))
+
+        def slowed() -> Any:
+            for i, batch in enumerate(batches):
+                if i == 0:
+                    plan.fire("eval", "begin", rank)
+                plan.fire("eval", "batch", rank)
+                yield batch
+
+        return original(model, slowed(), *args, **kwargs)
+
+    _wrap(engine, "evaluate", evaluate)
 
     # -- dataset preparation (local rank 0 of each node prepares) --
     rank = int(os.environ.get("RANK", "0"))
