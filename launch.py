@@ -236,7 +236,9 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
         )
         return exitcodes.EXIT_PREEMPTED
     if isinstance(err, (resilience.DivergedError, FloatingPointError)):
-        log.error("%s", err)
+        log.error("%s", err)  # final: a restart would diverge again (torchrun's would, unasked)
+        first_sentence = str(err).split(". ")[0]
+        exitcodes.report_to_launcher(exitcodes.DIVERGED_MARKER, f"diverged: {first_sentence}")
         return exitcodes.EXIT_DIVERGED
     if isinstance(err, OSError):  # by errno: NFS's ESTALE mid-run is retryable, a wrong path is not
         log.error("%s", exitcodes.describe_os_error(err))

@@ -117,3 +117,32 @@ def test_preemptions_during_a_save_longer_than_the_grace_are_not_counted(tmp_pat
     assert final_state(run_dir)["step"] == 16, finished.output[-3000:]
     record = (run_dir / "progress.json").read_text()
     assert '"attempts": 0' in record, record
+
+
+# ---------------------------------------------------------------------------------------------
+# B3: exit 3 (diverged, final) reaches the scheduler
+
+
+def test_a_run_that_diverges_under_the_launcher_exits_3_without_restarts(tmp_path) -> None:
+    """Two ranks under launch_multinode.sh (MAX_RESTARTS=3) with optim.lr=1e30: the loss is
+    not finite from step 2 on, and after train.max_nonfinite_steps=2 such steps every rank
+    exits 3.
+
+    Before: torchrun saw exit 1, restarted the group, which diverged again from step 0, and
+    the third attempt was stopped by the crash-loop breaker: the launcher exited 76 ("no
+    progress", which train.sbatch reports as a crash loop), never 3, so the Kubernetes
+    podFailurePolicy's FailJob on 3 and train.sbatch's diverged branch could not fire. Now
+    the workers report it (TRAIN_DIVERGED_MARKER), supervise.py stops torchrun's restarts and
+    exits 3."""
+    proc = run_launcher(
+        "launch_multinode.sh",
+        tmp_path / "run",
+        "--optim.lr=1e30",
+        "--optim.warmup_steps=0",
+        "--train.max_nonfinite_steps=2",
+        MAX_RESTARTS="3",
+        NPROC_PER_NODE="2",
+    )
+    assert proc.returncode == exitcodes.EXIT_DIVERGED, proc.output[-4000:]
+    assert proc.output.count("[rank 0] ERROR train: 2 consecutive optimizer steps") == 1
+    assert "exit 3, do not restart" in proc.output
