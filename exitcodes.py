@@ -11,7 +11,7 @@ Every code is final (retrying the same command cannot help: 0 done, 2 bad input,
 without spending a retry budget). An `OSError` is classed by its errno (`exit_for_os_error`),
 not by when it happens: a network filesystem's hiccup is 74; a wrong path, a permission, a
 full disk or quota is 2 (a retry would fail the same way). Under torchrun a worker's code
-becomes torchrun's 1; scripts/supervise.py turns it back into 2, 3, 75 or 76 through the
+becomes torchrun's 1; scripts/supervise.py turns it back into 2, 3, 74, 75 or 76 through the
 marker files below.
 
 Why each code is what it is, and what each launcher does with it: docs/fault-tolerance.md.
@@ -46,8 +46,9 @@ PREEMPT_MARKER = "TRAIN_PREEMPT_MARKER"  # "checkpoint at step N" or "finished a
 NO_PROGRESS_MARKER = "TRAIN_NO_PROGRESS_MARKER"
 BAD_INPUT_MARKER = "TRAIN_BAD_INPUT_MARKER"
 DIVERGED_MARKER = "TRAIN_DIVERGED_MARKER"
+IO_MARKER = "TRAIN_IO_MARKER"  # "I/O error N: ...": the launch's Nth attempt that ended in 74
 # Written by every rank that meets them: the first rank to exit makes torchrun stop the others.
-EVERY_RANK_MARKERS = (BAD_INPUT_MARKER, DIVERGED_MARKER)
+EVERY_RANK_MARKERS = (BAD_INPUT_MARKER, DIVERGED_MARKER, IO_MARKER)
 
 # Signals a scheduler or terminal sends to stop a job: Slurm's step signal (--signal, USR2 in
 # train.sbatch) and time limit, scancel, the kubelet, systemd, Ctrl-C, a closed terminal. The

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import auto
@@ -143,6 +143,21 @@ class Attempt:
         self._lock = threading.Lock()
         self._counted = self._not_counting = self._uncounted = False
 
+    @classmethod
+    def on_main(
+        cls,
+        info: DistInfo,
+        run_dir: Path,
+        lease: rundir.Lease | None,
+        preemption: resilience.PreemptionHandler,
+    ) -> Attempt | None:
+        """Rank 0's attempt, uncounted the moment a stop signal arrives; None elsewhere."""
+        if not info.is_main:
+            return None
+        attempt = cls(run_dir, lease)
+        preemption.on_stop(attempt.uncount)
+        return attempt
+
     def count(self, step: int, limit: int) -> None:
         with self._lock:
             if self.lease is not None:
@@ -165,6 +180,54 @@ class Attempt:
 def ends_in_transient_io(err: BaseException) -> bool:
     """Whether `err` ends the run with exit 74 (a network filesystem's hiccup)."""
     return isinstance(err, OSError) and exitcodes.exit_for_os_error(err) == exitcodes.EXIT_IO
+
+
+@contextlib.contextmanager
+def uncounted_if_transient_io(attempt: Attempt | None) -> Iterator[None]:
+    """An attempt that ends in transient storage errors (exit 74) is not counted by the
+    crash-loop breaker: each of torchrun's immediate restarts would hit the same outage, and a
+    few seconds of it would end the job as a crash loop. The launchers' retry budgets
+    (--max-restarts, MAX_REQUEUES) still bound them, with a back-off (`back_off_after_io`)."""
+    try:
+        yield
+    except OSError as err:
+        if attempt is not None and ends_in_transient_io(err):
+            attempt.uncount()
+        raise
+
+
+def io_failures_so_far() -> int:
+    """How many attempts of this launch ended in transient I/O (the launcher's marker)."""
+    marker = os.environ.get(exitcodes.IO_MARKER)
+    try:
+        words = Path(marker).read_text().split(":")[0].split() if marker else []
+    except OSError:
+        return 0
+    return int(words[-1]) if len(words) == 3 and words[-1].isdigit() else 0
+
+
+def back_off_after_io(info: DistInfo, stopped: Callable[[], bool]) -> None:
+    """Collective: after attempts of this launch ended in transient storage errors, wait before
+    touching storage again (torchrun restarts at once; an NFS server's restart takes seconds
+    to minutes): TRAIN_IO_BACKOFF_S (default 10) seconds, doubled after each such attempt, at
+    most 16 times that. A stop signal ends the wait."""
+    failures = io_failures_so_far()
+    try:
+        base = float(os.environ.get("TRAIN_IO_BACKOFF_S", "10"))
+    except ValueError:
+        base = 10.0
+    delay = base * 2 ** min(failures - 1, 4) if failures else 0.0
+    delay = max(row[0] for row in distributed.all_gather_floats([delay], info.device))
+    if delay <= 0:
+        return
+    log.warning(
+        "an earlier attempt of this launch ended in transient storage errors: waiting %.0f s "
+        "(TRAIN_IO_BACKOFF_S, doubled per attempt) before touching the storage again",
+        delay,
+    )
+    deadline = time.monotonic() + delay
+    while time.monotonic() < deadline and not stopped():
+        time.sleep(0.2)
 
 
 def check_progress(cfg: Config, info: DistInfo, step: int, attempt: Attempt | None) -> None:
@@ -245,6 +308,9 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
         code = exitcodes.exit_for_os_error(err)
         if code == exitcodes.EXIT_BAD_INPUT:
             exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        else:  # the launcher exits 74 if torchrun's restarts end this way (and backs off)
+            failures = io_failures_so_far() + 1
+            exitcodes.report_to_launcher(exitcodes.IO_MARKER, f"I/O error {failures}: {err}")
         return code
     if isinstance(err, (ConfigError, CheckpointError, data.DatasetNotFoundError)):
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits

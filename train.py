@@ -99,10 +99,7 @@ class Trainer:
         decay = cfg.train.ema_decay
         self.ema = engine.WeightAverage(self.parallel.bare, decay) if decay else None
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
-        # Rank 0's entry in the crash-loop breaker, uncounted the moment a stop signal arrives.
-        self.attempt = launch.Attempt(self.paths.root, lease) if info.is_main else None
-        if self.attempt is not None:
-            preemption.on_stop(self.attempt.uncount)
+        self.attempt = launch.Attempt.on_main(info, self.paths.root, lease, preemption)
         self.buffers = engine.BufferSnapshot(self.model)
         self.guard = resilience.StepGuard(
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
@@ -635,9 +632,11 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     # A signal during start-up (recorded by the first lines of this file) stops at step one.
     preemption.install(globals().get("_EARLY_SIGNALS"))
     try:
+        launch.back_off_after_io(info, lambda: preemption.received is not None)
         with (
             launch.holding_run_dir(cfg, info) as lease,
             Trainer(cfg, info, preemption, lease) as trainer,
+            launch.uncounted_if_transient_io(trainer.attempt),
         ):
             return trainer.fit()
     finally:

@@ -9,6 +9,7 @@ to wrap a torchrun command of your own. Exit codes:
     0   finished (also when a stop signal came while the run was finishing anyway)
     2   bad input, reported by the workers: retrying cannot help
     3   diverged, reported by the workers: retrying cannot help
+    74  transient storage errors (ESTALE, EIO, ...) ended torchrun's last attempt: retry later
     75  preempted: the workers wrote their preemption checkpoint (or were stopped before any
         of them started); requeue / resubmit
     76  no progress: attempts keep starting from the same checkpoint; do not restart
@@ -39,8 +40,10 @@ from exitcodes import (  # noqa: E402
     DIVERGED_MARKER,
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
+    EXIT_IO,
     EXIT_NO_PROGRESS,
     EXIT_PREEMPTED,
+    IO_MARKER,
     LAUNCHER_STOP_SIGNALS,
     NO_PROGRESS_MARKER,
     PREEMPT_MARKER,
@@ -241,6 +244,10 @@ class Supervisor:
             say(f"{self.stop_reason} before any worker started: nothing to checkpoint, exit 75")
             return EXIT_PREEMPTED
         code = 128 - status if status < 0 else status
+        if code and reported["io_error"] and not self.stop_reason:
+            # torchrun's restarts ended in transient storage errors: retryable, as 74
+            say(f"the workers' last {reported['io_error']}: exit {EXIT_IO}, retry later")
+            return EXIT_IO
         if self.stop_reason:
             say(f"{self.stop_reason}, but no preemption checkpoint was reported")
             return code or 1
@@ -367,6 +374,7 @@ def main(argv: list[str]) -> int:
         ("no_progress", NO_PROGRESS_MARKER),
         ("bad_input", BAD_INPUT_MARKER),
         ("diverged", DIVERGED_MARKER),
+        ("io_error", IO_MARKER),
     ):
         fd, path = tempfile.mkstemp(prefix=f"train-{name}.")
         os.close(fd)

@@ -18,8 +18,9 @@ restarted group runs clean. TRAIN_FAULTS holds `;`-separated entries
                                large model on a slow filesystem)
     oserror@save=written,errno=ESTALE   rank 0's checkpoint write fails with that errno (an NFS
                                server that restarted, a full disk: ENOSPC)
-    oserror@save=written,errno=ESTALE,until=T   ... every attempt (any restart) until the wall
-                               clock time T (a storage outage of a few seconds)
+    oserror@save=written,errno=ESTALE,for=S   ... in every attempt (restarts too) for S
+                               seconds from its first failure (a storage outage; the time of
+                               that failure is kept in the file TRAIN_FAULTS_STATE names)
     preempt@eval=begin,rank=0  rank 0 sends SIGTERM to the launcher (scripts/supervise.py, the
                                parent of torchrun; without torchrun, this process's parent) as
                                its first evaluation batch is loaded: a scheduler's stop
@@ -58,7 +59,7 @@ class Fault:
     restart: int
     seconds: float = 0.0  # for sleep
     errno_name: str = "EIO"  # for oserror
-    until: float = 0.0  # for oserror: fire in every attempt until this wall-clock time
+    outage_s: float = 0.0  # for oserror: fire in every attempt this long after the first
 
 
 def parse(spec: str) -> list[Fault]:
@@ -77,7 +78,7 @@ def parse(spec: str) -> list[Fault]:
                 restart=int(extra.get("restart", 0)),
                 seconds=float(extra.get("seconds", 0)),
                 errno_name=extra.get("errno", "EIO"),
-                until=float(extra.get("until", 0)),
+                outage_s=float(extra.get("for", 0)),
             )
         except (ValueError, KeyError):
             raise ValueError(
@@ -95,7 +96,7 @@ class Plan:
     """The faults of this process's attempt, and carrying them out."""
 
     def __init__(self, faults: list[Fault], restart: int) -> None:
-        self.faults = [fault for fault in faults if fault.restart == restart or fault.until]
+        self.faults = [fault for fault in faults if fault.restart == restart or fault.outage_s]
 
     def matching(self, point: str, value: object, rank: int) -> list[Fault]:
         return [
@@ -107,7 +108,7 @@ class Plan:
     def fire(self, point: str, value: object, rank: int = 0) -> None:
         """Carry out the kill, signal, hang or sleep faults planned at this point."""
         for fault in self.matching(point, value, rank):
-            if fault.until and time.time() > fault.until:
+            if fault.outage_s and time.time() > outage_start() + fault.outage_s:
                 continue  # the outage is over
             if fault.action == "preempt":
                 os.kill(launcher_pid(), signal.SIGTERM)
@@ -131,6 +132,14 @@ class Plan:
     def poisons(self, step: int, rank: int) -> bool:
         """Whether the loss of the step after `step` steps must be made NaN on this rank."""
         return any(f.action == "nan" for f in self.matching("step", step, rank))
+
+
+def outage_start() -> float:
+    """When the outage began: its first failure, in any attempt (TRAIN_FAULTS_STATE's file)."""
+    state = Path(os.environ["TRAIN_FAULTS_STATE"])
+    if not state.exists():
+        state.write_text(str(time.time()))
+    return float(state.read_text())
 
 
 def launcher_pid() -> int:

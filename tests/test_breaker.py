@@ -146,3 +146,54 @@ def test_a_run_that_diverges_under_the_launcher_exits_3_without_restarts(tmp_pat
     assert proc.returncode == exitcodes.EXIT_DIVERGED, proc.output[-4000:]
     assert proc.output.count("[rank 0] ERROR train: 2 consecutive optimizer steps") == 1
     assert "exit 3, do not restart" in proc.output
+
+
+# ---------------------------------------------------------------------------------------------
+# B2: a transient storage error never ends a job for good
+
+
+def test_seconds_of_storage_outage_are_retried_with_back_off_and_never_end_the_job(
+    tmp_path,
+) -> None:
+    """ESTALE on every checkpoint write for 45 s from the first, in every attempt (torchrun's
+    restarts too), under launch_multinode.sh with MAX_RESTARTS=4 and TRAIN_IO_BACKOFF_S=8.
+
+    Before: torchrun restarted at once, each restart hit the outage again and was counted,
+    and the third attempt exited 76 ("2 attempts in a row started from step 0": do not
+    restart). Now an attempt that ends in exit 74 is not counted, each restart waits (8 s,
+    16 s, 32 s, ...) before touching the storage, and the run trains to its end."""
+    run_dir = tmp_path / "run"
+    proc = run_launcher(
+        "launch_multinode.sh",
+        run_dir,
+        "--ckpt.every_steps=2",
+        faults="oserror@save=written,errno=ESTALE,for=45",
+        MAX_RESTARTS="4",
+        NPROC_PER_NODE="1",
+        TRAIN_IO_BACKOFF_S="8",
+        TRAIN_FAULTS_STATE=str(tmp_path / "outage"),
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.output[-4000:]
+    assert "ESTALE" in proc.output and "waiting 8 s" in proc.output
+    assert "attempts in a row" not in proc.output
+    assert final_state(run_dir)["step"] == 16
+
+
+def test_a_storage_outage_that_outlasts_the_restarts_exits_74_through_the_launcher(
+    tmp_path,
+) -> None:
+    """ESTALE on every checkpoint write, under train_single_node.sh (torchrun without
+    restarts). Before: torchrun's exit 1 reached the scheduler, so train.sbatch's "requeue
+    74" branch could never fire. Now the workers report it (TRAIN_IO_MARKER) and the launcher
+    exits 74, which schedulers retry after a while."""
+    proc = run_launcher(
+        "train_single_node.sh",
+        tmp_path / "run",
+        "--ckpt.every_steps=2",
+        faults="oserror@save=written,errno=ESTALE,for=600",
+        NPROC_PER_NODE="1",
+        TRAIN_FAULTS_STATE=str(tmp_path / "outage"),
+    )
+    assert proc.returncode == exitcodes.EXIT_IO, proc.output[-4000:]
+    assert "ESTALE" in proc.output and "bad input" not in proc.output
