@@ -9,7 +9,8 @@ to wrap a torchrun command of your own. Exit codes:
     0   finished (also when a stop signal came while the run was finishing anyway)
     2   bad input, reported by the workers: retrying cannot help
     3   diverged, reported by the workers: retrying cannot help
-    74  transient storage errors (ESTALE, EIO, ...) ended torchrun's last attempt: retry later
+    74  torchrun failed, and transient storage errors (ESTALE, EIO, ...) ended an attempt of
+        this launch: retry later
     75  preempted: the workers wrote their preemption checkpoint (or were stopped before any
         of them started); requeue / resubmit
     76  no progress: attempts keep starting from the same checkpoint; do not restart
@@ -245,8 +246,8 @@ class Supervisor:
             return EXIT_PREEMPTED
         code = 128 - status if status < 0 else status
         if code and reported["io_error"] and not self.stop_reason:
-            # torchrun's restarts ended in transient storage errors: retryable, as 74
-            say(f"the workers' last {reported['io_error']}: exit {EXIT_IO}, retry later")
+            # torchrun's restarts are spent, and storage errors ended one: retryable, as 74
+            say(f"the workers reported {reported['io_error']}: exit {EXIT_IO}, retry later")
             return EXIT_IO
         if self.stop_reason:
             say(f"{self.stop_reason}, but no preemption checkpoint was reported")
