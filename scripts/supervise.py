@@ -7,10 +7,8 @@ scripts/launch_multinode.sh and scripts/train_single_node.sh exec this; use it d
 to wrap a torchrun command of your own. Exit codes:
 
     0   finished (also when a stop signal came while the run was finishing anyway)
-    2   bad input, reported by the workers: retrying cannot help
-    3   diverged, reported by the workers: retrying cannot help
-    74  torchrun failed, and transient storage errors (ESTALE, EIO, ...) ended an attempt of
-        this launch: retry later
+    2, 3  bad input, diverged (reported by the workers): retrying cannot help
+    74  torchrun failed, and transient storage errors ended an attempt: retry later
     75  preempted: the workers wrote their preemption checkpoint (or were stopped before any
         of them started); requeue / resubmit
     76  no progress: attempts keep starting from the same checkpoint; do not restart
