@@ -11,8 +11,8 @@ Every code is final (retrying the same command cannot help: 0 done, 2 bad input,
 without spending a retry budget). An `OSError` is classed by its errno (`exit_for_os_error`),
 not by when it happens: a network filesystem's hiccup is 74; a wrong path, a permission, a
 full disk or quota is 2 (a retry would fail the same way). Under torchrun a worker's code
-becomes torchrun's 1; scripts/supervise.py turns it back into 2, 75 or 76 through the marker
-files below.
+becomes torchrun's 1; scripts/supervise.py turns it back into 2, 3, 74, 75 or 76 through the
+marker files below.
 
 Why each code is what it is, and what each launcher does with it: docs/fault-tolerance.md.
 """
@@ -45,6 +45,10 @@ FAIL_JOB_EXITS = tuple(sorted(FINAL_EXITS - {EXIT_OK}))
 PREEMPT_MARKER = "TRAIN_PREEMPT_MARKER"  # "checkpoint at step N" or "finished at step N"
 NO_PROGRESS_MARKER = "TRAIN_NO_PROGRESS_MARKER"
 BAD_INPUT_MARKER = "TRAIN_BAD_INPUT_MARKER"
+DIVERGED_MARKER = "TRAIN_DIVERGED_MARKER"
+IO_MARKER = "TRAIN_IO_MARKER"  # "I/O error N: ...": the launch's Nth attempt that ended in 74
+# Written by every rank that meets them: the first rank to exit makes torchrun stop the others.
+EVERY_RANK_MARKERS = (BAD_INPUT_MARKER, DIVERGED_MARKER, IO_MARKER)
 
 # Signals a scheduler or terminal sends to stop a job: Slurm's step signal (--signal, USR2 in
 # train.sbatch) and time limit, scancel, the kubelet, systemd, Ctrl-C, a closed terminal. The
@@ -100,11 +104,12 @@ def describe_os_error(err: OSError) -> str:
 
 def report_to_launcher(variable: str, text: str) -> None:
     """Tell scripts/supervise.py how this launch ends (one file per node, see there). Bad input
-    is reported by every rank that meets it (atomically: the last writer's text): a rank that
-    exits first makes torchrun stop the others, local rank 0 perhaps before it wrote."""
+    and divergence are reported by every rank that meets them (atomically: the last writer's
+    text): a rank that exits first makes torchrun stop the others, local rank 0 perhaps before
+    it wrote."""
     marker = os.environ.get(variable)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not marker or (local_rank != 0 and variable != BAD_INPUT_MARKER):
+    if not marker or (local_rank != 0 and variable not in EVERY_RANK_MARKERS):
         return
     with contextlib.suppress(OSError):
         staged = Path(f"{marker}.{os.getpid()}")

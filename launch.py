@@ -3,7 +3,7 @@
 `check_job` (collective, before anything is built): every rank runs the same config on the same
 data (preflight) and sees the run dir rank 0 writes. `holding_run_dir` holds the run dir's lease
 (one job per run dir) on rank 0 for the whole run. Once resuming is settled, `check_progress`
-counts the attempt (the crash-loop breaker) and `write_settled` writes config.json.
+counts the `Attempt` (the crash-loop breaker) and `write_settled` writes config.json.
 `launch_was_preempted` reads the marker files that scripts/supervise.py reads (exitcodes.py
 names them; `exitcodes.report_to_launcher` writes them), and `exit_code` picks the exit code a
 failed run ends with.
@@ -16,9 +16,10 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import auto
@@ -140,16 +141,115 @@ def holding_run_dir(cfg: Config, info: DistInfo) -> Iterator[rundir.Lease | None
                     run_dir.rmdir()
 
 
-def check_progress(
-    cfg: Config, info: DistInfo, step: int, lease: rundir.Lease | None = None
-) -> None:
-    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together."""
+class Attempt:
+    """This attempt's entry in the crash-loop breaker (rundir.count_attempt), on rank 0.
+
+    Counted once resuming is settled; uncounted at most once when the attempt ends in a way
+    that is not the run's fault: a preemption (by the preemption watcher the moment the signal
+    arrives, so that an evaluation or a save outlasting the grace cannot leave it counted; at
+    the step boundary for a signal only another rank received) or a transient storage error
+    (exit 74). Both threads call it, hence the lock; a stop before the count uncounts at once.
+    """
+
+    def __init__(self, run_dir: Path, lease: rundir.Lease | None) -> None:
+        self.run_dir, self.lease = run_dir, lease
+        self._lock = threading.Lock()
+        self._counted = self._not_counting = self._uncounted = False
+
+    @classmethod
+    def on_main(
+        cls,
+        info: DistInfo,
+        run_dir: Path,
+        lease: rundir.Lease | None,
+        preemption: resilience.PreemptionHandler,
+    ) -> Attempt | None:
+        """Rank 0's attempt, uncounted the moment a stop signal arrives; None elsewhere."""
+        if not info.is_main:
+            return None
+        attempt = cls(run_dir, lease)
+        preemption.on_stop(attempt.uncount)
+        return attempt
+
+    def count(self, step: int, limit: int) -> None:
+        with self._lock:
+            if self.lease is not None:
+                self.lease.check()  # progress.json is written only while this job holds the dir
+            rundir.count_attempt(self.run_dir, step, limit)
+            self._counted = True
+        if self._not_counting:
+            self.uncount()
+
+    def uncount(self) -> None:
+        with self._lock:
+            self._not_counting = True
+            if not self._counted or self._uncounted:
+                return
+            self._uncounted = True
+            if self.lease is None or self.lease.valid():  # a lost lease: write nothing
+                rundir.uncount_attempt(self.run_dir)
+
+
+def ends_in_transient_io(err: BaseException) -> bool:
+    """Whether `err` ends the run with exit 74 (a network filesystem's hiccup)."""
+    return isinstance(err, OSError) and exitcodes.exit_for_os_error(err) == exitcodes.EXIT_IO
+
+
+@contextlib.contextmanager
+def uncounted_if_transient_io(attempt: Attempt | None) -> Iterator[None]:
+    """An attempt that ends in transient storage errors (exit 74) is not counted by the
+    crash-loop breaker: each of torchrun's immediate restarts would hit the same outage, and a
+    few seconds of it would end the job as a crash loop. The launchers' retry budgets
+    (--max-restarts, MAX_REQUEUES) still bound them, with a back-off (`back_off_after_io`)."""
+    try:
+        yield
+    except OSError as err:
+        if attempt is not None and ends_in_transient_io(err):
+            attempt.uncount()
+        raise
+
+
+def io_failures_so_far() -> int:
+    """How many attempts of this launch ended in transient I/O (the launcher's marker)."""
+    marker = os.environ.get(exitcodes.IO_MARKER)
+    try:
+        words = Path(marker).read_text().split(":")[0].split() if marker else []
+    except OSError:
+        return 0
+    return int(words[-1]) if len(words) == 3 and words[-1].isdigit() else 0
+
+
+def back_off_after_io(info: DistInfo, stopped: Callable[[], bool]) -> None:
+    """Collective: after attempts of this launch ended in transient storage errors, wait before
+    touching storage again (torchrun restarts at once; an NFS server's restart takes seconds
+    to minutes): TRAIN_IO_BACKOFF_S (default 10) seconds, doubled after each such attempt, at
+    most 16 times that. A stop signal ends the wait."""
+    failures = io_failures_so_far()
+    try:
+        base = float(os.environ.get("TRAIN_IO_BACKOFF_S", "10"))
+    except ValueError:
+        base = 10.0
+    delay = base * 2 ** min(failures - 1, 4) if failures else 0.0
+    delay = max(row[0] for row in distributed.all_gather_floats([delay], info.device))
+    if delay <= 0:
+        return
+    log.warning(
+        "an earlier attempt of this launch ended in transient storage errors: waiting %.0f s "
+        "(TRAIN_IO_BACKOFF_S, doubled per attempt) before touching the storage again",
+        delay,
+    )
+    deadline = time.monotonic() + delay
+    while time.monotonic() < deadline and not stopped():
+        time.sleep(0.2)
+
+
+def check_progress(cfg: Config, info: DistInfo, step: int, attempt: Attempt | None) -> None:
+    """The crash-loop breaker (rundir.count_attempt): every rank raises NoProgress together.
+    `attempt`: rank 0's, None elsewhere."""
     message = None
-    if info.is_main:
+    if attempt is not None:
         try:
-            if lease is not None:
-                lease.check()  # progress.json is written only while this job holds the dir
-            rundir.count_attempt(Path(cfg.run.dir), step, cfg.run.max_attempts_without_progress)
+            attempt.count(step, cfg.run.max_attempts_without_progress)
         except rundir.NoProgress as err:
             message = str(err)
         # The count is a safeguard: never the reason a run fails. A lost lease stops the run
@@ -212,13 +312,18 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
         )
         return exitcodes.EXIT_PREEMPTED
     if isinstance(err, (resilience.DivergedError, FloatingPointError)):
-        log.error("%s", err)
+        log.error("%s", err)  # final: a restart would diverge again (torchrun's would, unasked)
+        first_sentence = str(err).split(". ")[0]
+        exitcodes.report_to_launcher(exitcodes.DIVERGED_MARKER, f"diverged: {first_sentence}")
         return exitcodes.EXIT_DIVERGED
     if isinstance(err, OSError):  # by errno: NFS's ESTALE mid-run is retryable, a wrong path is not
         log.error("%s", exitcodes.describe_os_error(err))
         code = exitcodes.exit_for_os_error(err)
         if code == exitcodes.EXIT_BAD_INPUT:
             exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
+        else:  # the launcher exits 74 if torchrun's restarts end this way (and backs off)
+            failures = io_failures_so_far() + 1
+            exitcodes.report_to_launcher(exitcodes.IO_MARKER, f"I/O error {failures}: {err}")
         return code
     if isinstance(err, (ConfigError, CheckpointError, data.DatasetNotFoundError)):
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits

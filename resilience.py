@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,9 @@ class PreemptionHandler:
 
     The handler only sets a flag (a signal can land in the middle of a collective, where
     nothing else is safe to do). The flag travels in the per-step all-reduce of `StepGuard`,
-    so every rank stops after the same step even when only one received the signal.
+    so every rank stops after the same step even when only one received the signal. What
+    must happen when the signal arrives, not at that step (`on_stop`: the crash-loop breaker
+    uncounts the attempt), runs on a watcher thread woken through `signal.set_wakeup_fd`.
 
     Schedulers signal every process of a job, often more than once and with mixed signals:
     Slurm's SIGUSR2 reaches a worker directly and, milliseconds later, the SIGTERM torchrun
@@ -73,6 +76,12 @@ class PreemptionHandler:
         self.received: str | None = None
         self.repeats = 0
         self._previous: dict[signal.Signals, Any] = {}
+        self._on_stop: list[Callable[[], None]] = []
+        self._stopped = False  # a stop signal arrived and the on_stop callbacks ran
+        self._lock = threading.Lock()  # taken by threads only, never by the handler
+        self._pipe: tuple[int, int] | None = None  # (read, write) of the wakeup pipe
+        self._previous_wakeup = -1
+        self._watcher: threading.Thread | None = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:
@@ -89,11 +98,67 @@ class PreemptionHandler:
             return  # signal handlers can only be set from the main thread
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        self._start_watcher()
+        if self.received is not None:
+            self._stop_now()
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once, on the watcher thread, as soon as a stop signal arrives (here
+        and now if one already has): what must not wait for the next step boundary, which an
+        evaluation or a long save may put past the scheduler's grace. It must be thread-safe."""
+        with self._lock:
+            if not self._stopped:
+                self._on_stop.append(callback)
+                return
+        callback()
+
+    def _start_watcher(self) -> None:
+        """The C-level part of Python's signal handling writes each signal's number to the
+        wakeup fd at once (signal.set_wakeup_fd), even while the main thread is inside a long
+        C call where the Python handler cannot run yet; a thread reads it."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # set_wakeup_fd refuses a blocking fd
+        self._pipe = read_fd, write_fd
+        self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, name="preemption-watcher", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        assert self._pipe is not None
+        stops = {int(sig) for sig in self.signals}
+        while True:
+            try:
+                numbers = os.read(self._pipe[0], 64)
+            except OSError:
+                return
+            if not numbers:  # restore() closed the write end
+                return
+            if stops.intersection(numbers):  # other handled signals (SIGCHLD) wake it too
+                self._stop_now()
+
+    def _stop_now(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            callbacks, self._on_stop = self._on_stop, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a safeguard's failure must not stop the stop
+                log.exception("acting on the stop signal at once failed")
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(self._pipe[1])  # the watcher reads the end of the pipe and returns
+            if self._watcher is not None:
+                self._watcher.join(timeout=5)
+            os.close(self._pipe[0])
+            self._pipe = self._watcher = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ class Trainer:
         decay = cfg.train.ema_decay
         self.ema = engine.WeightAverage(self.parallel.bare, decay) if decay else None
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
+        self.attempt = launch.Attempt.on_main(info, self.paths.root, lease, preemption)
         self.buffers = engine.BufferSnapshot(self.model)
         self.guard = resilience.StepGuard(
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
@@ -349,7 +350,7 @@ class Trainer:
 
     def settle_run_dir(self) -> None:
         """Count this attempt (the crash-loop breaker), then write the config (rank 0)."""
-        launch.check_progress(self.cfg, self.info, self.position.step, self.checkpoints.lease)
+        launch.check_progress(self.cfg, self.info, self.position.step, self.attempt)
         distributed.run_on_main(
             self.info,
             f"writing {self.paths.config}",
@@ -454,7 +455,9 @@ class Trainer:
         """Exact loss and accuracy over the whole evaluation set (a collective).
 
         BatchNorm statistics are averaged over ranks first, so every rank evaluates the same
-        model; a pending evaluation's were averaged before its checkpoint was written.
+        model; a pending evaluation's were averaged before its checkpoint was written. A stop
+        signal ends it after the batch at hand (the preemption budget is a step plus a save):
+        the checkpoint then owes it, and the resumed run evaluates first.
         """
         if not self.pending_eval:
             distributed.average_buffers(self.model)
@@ -464,7 +467,7 @@ class Trainer:
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             loaded = iter(self.eval_loader)
-            while True:
+            while not self.preemption.received:  # local: ranks may hold unequal shares
                 try:
                     images, labels = next(loaded)
                 except StopIteration:
@@ -486,6 +489,7 @@ class Trainer:
                 self.input_shape,
             )
         self.save_if_evaluation_failed(failed[0] if failed else None)
+        self.stop_if(self.stop_requested(), buffers_averaged=True)  # the result may be partial
         self.instruments.log_eval(result, self.ledger)
         if result.num_samples < self.num_eval:
             log.warning(
@@ -523,7 +527,7 @@ class Trainer:
             )
         self.saved_step = self.position.step
 
-    def stop_if(self, signal_name: str | None) -> None:
+    def stop_if(self, signal_name: str | None, buffers_averaged: bool = False) -> None:
         """After a preemption signal: checkpoint where every rank stopped, tell the launcher,
         and end the run (exit 75).
 
@@ -534,11 +538,10 @@ class Trainer:
         if signal_name is None:
             return
         step = self.position.step
-        lease = self.checkpoints.lease  # a lost lease stops here too: then write nothing
-        if self.info.is_main and (lease is None or lease.valid()):  # a stop, not a failure,
-            rundir.uncount_attempt(self.paths.root)  # even if the save below is killed
+        if self.attempt is not None:  # a stop, not a failure, even if the save is killed (the
+            self.attempt.uncount()  # watcher did it already unless another rank was signalled)
         at_segment_end = self.steps_left_in_epoch() == 0 or step == self.total_steps
-        if at_segment_end:
+        if at_segment_end and not buffers_averaged:
             distributed.average_buffers(self.model)
         self.save(pending_eval=at_segment_end, wait=True)
         if self.info.is_main:  # progress: restarts after this one start counting anew
@@ -631,9 +634,11 @@ def train(cfg: Config, info: DistInfo) -> dict[str, Any]:
     # A signal during start-up (recorded by the first lines of this file) stops at step one.
     preemption.install(globals().get("_EARLY_SIGNALS"))
     try:
+        launch.back_off_after_io(info, lambda: preemption.received is not None)
         with (
             launch.holding_run_dir(cfg, info) as lease,
             Trainer(cfg, info, preemption, lease) as trainer,
+            launch.uncounted_if_transient_io(trainer.attempt),
         ):
             return trainer.fit()
     finally:

@@ -6,8 +6,9 @@
 - `count_attempt`: the crash-loop breaker. `<run.dir>/progress.json` counts the attempts that
   started from the same checkpoint step; past `run.max_attempts_without_progress` the run
   exits 76 ("no progress: do not restart") instead of failing the same way again. A
-  preemption (exit 75) and a finished run reset the count; a preemption that dies before its
-  checkpoint is written is not counted (`uncount_attempt`).
+  preemption (exit 75) and a finished run reset the count; a preemption is uncounted when its
+  signal arrives (`uncount_attempt`, launch.Attempt), so one that dies before its checkpoint
+  is written is not counted.
 - `origin.json`: the checkpoint an explicit `--ckpt.resume=PATH` initialised this run from, so
   that a restart repeating that command continues from the run's own newer checkpoints.
 
@@ -487,8 +488,9 @@ def count_attempt(run_dir: Path, step: int, limit: int) -> int:
 def uncount_attempt(run_dir: Path) -> None:
     """This attempt was asked to stop (a preemption): it does not count against the limit,
     even if it dies before its checkpoint is written (torchrun's shutdown timeout, a
-    scheduler's KillWait, a second node's failure). Call once, when the stop is agreed: the
-    attempts that end otherwise (crashes, hangs) still count, so a crash loop still trips."""
+    scheduler's KillWait, a second node's failure). Call once (launch.Attempt), when the signal
+    arrives: the attempts that end otherwise (crashes, hangs) still count, so a crash loop
+    still trips."""
     path = RunPaths(run_dir).progress
     record = _read_json(path)
     if not record or int(record.get("attempts", 0)) < 1:

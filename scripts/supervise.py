@@ -7,7 +7,8 @@ scripts/launch_multinode.sh and scripts/train_single_node.sh exec this; use it d
 to wrap a torchrun command of your own. Exit codes:
 
     0   finished (also when a stop signal came while the run was finishing anyway)
-    2   bad input, reported by the workers: retrying cannot help
+    2, 3  bad input, diverged (reported by the workers): retrying cannot help
+    74  torchrun failed, and transient storage errors ended an attempt: retry later
     75  preempted: the workers wrote their preemption checkpoint (or were stopped before any
         of them started); requeue / resubmit
     76  no progress: attempts keep starting from the same checkpoint; do not restart
@@ -35,9 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's modules
 from exitcodes import (  # noqa: E402
     BAD_INPUT_MARKER,
+    DIVERGED_MARKER,
     EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_IO,
     EXIT_NO_PROGRESS,
     EXIT_PREEMPTED,
+    IO_MARKER,
     LAUNCHER_STOP_SIGNALS,
     NO_PROGRESS_MARKER,
     PREEMPT_MARKER,
@@ -104,7 +109,7 @@ class Supervisor:
     def __init__(self, command: list[str], grace_s: float, markers: dict[str, Path]) -> None:
         self.command = command
         self.grace_s = grace_s
-        self.markers = markers  # what the workers report: preempted, no_progress, bad_input
+        self.markers = markers  # the workers' reports: preempted, no_progress, bad_input, ...
         self.signals: list[int] = []  # received, not yet acted on (handlers only append)
         self.stop_reason = ""  # why the workers were asked to stop ('' = not asked)
         self.stop_deadline = 0.0
@@ -172,9 +177,11 @@ class Supervisor:
             if reported["preempted"].startswith("checkpoint"):
                 # The workers were signalled without this process: stop torchrun restarting them.
                 self.request_stop(f"the workers were preempted ({reported['preempted']})")
-            elif reported["no_progress"] or reported["bad_input"]:
+            elif reported["no_progress"] or reported["bad_input"] or reported["diverged"]:
                 # Final for this launch: restarts would fail the same way again.
-                self.request_stop(reported["no_progress"] or reported["bad_input"])
+                self.request_stop(
+                    reported["no_progress"] or reported["bad_input"] or reported["diverged"]
+                )
             elif self.status is not None and children_of(os.getpid()):
                 # torchrun died on its own (OOM killer, a kill -9) and left training workers.
                 self.request_stop(f"torchrun ended with {describe(self.status)}")
@@ -223,6 +230,9 @@ class Supervisor:
         if reported["bad_input"]:
             say(f"{reported['bad_input']}: exit {EXIT_BAD_INPUT}, retrying cannot help")
             return EXIT_BAD_INPUT
+        if reported["diverged"]:
+            say(f"the workers {reported['diverged']}: exit {EXIT_DIVERGED}, do not restart")
+            return EXIT_DIVERGED
         if reported["preempted"].startswith("finished"):
             say(f"the workers {reported['preempted']}: exit 0")
             return 0
@@ -233,6 +243,10 @@ class Supervisor:
             say(f"{self.stop_reason} before any worker started: nothing to checkpoint, exit 75")
             return EXIT_PREEMPTED
         code = 128 - status if status < 0 else status
+        if code and reported["io_error"] and not self.stop_reason:
+            # torchrun's restarts are spent, and storage errors ended one: retryable, as 74
+            say(f"the workers reported {reported['io_error']}: exit {EXIT_IO}, retry later")
+            return EXIT_IO
         if self.stop_reason:
             say(f"{self.stop_reason}, but no preemption checkpoint was reported")
             return code or 1
@@ -358,6 +372,8 @@ def main(argv: list[str]) -> int:
         ("preempted", PREEMPT_MARKER),
         ("no_progress", NO_PROGRESS_MARKER),
         ("bad_input", BAD_INPUT_MARKER),
+        ("diverged", DIVERGED_MARKER),
+        ("io_error", IO_MARKER),
     ):
         fd, path = tempfile.mkstemp(prefix=f"train-{name}.")
         os.close(fd)

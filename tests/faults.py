@@ -21,6 +21,13 @@ restarted group runs clean. TRAIN_FAULTS holds `;`-separated entries
     gate@step=5,file=PATH      touches PATH.waiting, then waits until PATH exists (at any
                                point: a job held where the test wants it, e.g. a newcomer
                                holding the run dir's lease before it writes anything)
+    oserror@save=written,errno=ESTALE,for=S   ... in every attempt (restarts too) for S
+                               seconds from its first failure (a storage outage; the time of
+                               that failure is kept in the file TRAIN_FAULTS_STATE names)
+    preempt@eval=begin,rank=0  rank 0 sends SIGTERM to the launcher (scripts/supervise.py, the
+                               parent of torchrun; without torchrun, this process's parent) as
+                               its first evaluation batch is loaded: a scheduler's stop
+    sleep@eval=batch,seconds=1 every evaluation batch takes a second longer (a large eval set)
 
 Save stages, in order: begin, partial (some of the checkpoint's bytes written to the
 temporary file, far from all), written (temporary file complete, not yet fsynced), renamed
@@ -42,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep", "oserror", "gate")
-POINTS = ("step", "save", "prepare")
+ACTIONS = ("sigkill", "sigterm", "sigusr2", "hang", "nan", "sleep", "oserror", "gate", "preempt")
+POINTS = ("step", "save", "prepare", "eval")
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Fault:
     seconds: float = 0.0  # for sleep
     errno_name: str = "EIO"  # for oserror
     file: str = ""  # for gate
+    outage_s: float = 0.0  # for oserror: fire in every attempt this long after the first
 
 
 def parse(spec: str) -> list[Fault]:
@@ -75,6 +83,7 @@ def parse(spec: str) -> list[Fault]:
                 seconds=float(extra.get("seconds", 0)),
                 errno_name=extra.get("errno", "EIO"),
                 file=extra.get("file", ""),
+                outage_s=float(extra.get("for", 0)),
             )
         except (ValueError, KeyError):
             raise ValueError(
@@ -92,7 +101,7 @@ class Plan:
     """The faults of this process's attempt, and carrying them out."""
 
     def __init__(self, faults: list[Fault], restart: int) -> None:
-        self.faults = [fault for fault in faults if fault.restart == restart]
+        self.faults = [fault for fault in faults if fault.restart == restart or fault.outage_s]
 
     def matching(self, point: str, value: object, rank: int) -> list[Fault]:
         return [
@@ -104,6 +113,11 @@ class Plan:
     def fire(self, point: str, value: object, rank: int = 0) -> None:
         """Carry out the kill, signal, hang or sleep faults planned at this point."""
         for fault in self.matching(point, value, rank):
+            if fault.outage_s and time.time() > outage_start() + fault.outage_s:
+                continue  # the outage is over
+            if fault.action == "preempt":
+                os.kill(launcher_pid(), signal.SIGTERM)
+                continue
             if fault.action == "hang":
                 while True:
                     time.sleep(3600)
@@ -127,6 +141,23 @@ class Plan:
     def poisons(self, step: int, rank: int) -> bool:
         """Whether the loss of the step after `step` steps must be made NaN on this rank."""
         return any(f.action == "nan" for f in self.matching("step", step, rank))
+
+
+def outage_start() -> float:
+    """When the outage began: its first failure, in any attempt (TRAIN_FAULTS_STATE's file)."""
+    state = Path(os.environ["TRAIN_FAULTS_STATE"])
+    if not state.exists():
+        state.write_text(str(time.time()))
+    return float(state.read_text())
+
+
+def launcher_pid() -> int:
+    """The launcher above this worker: torchrun's parent under torchrun, else the parent."""
+    parent = os.getppid()
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return parent
+    stat = Path(f"/proc/{parent}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 class _CountingFile:
@@ -163,6 +194,7 @@ def install(plan: Plan) -> None:
     """Wrap the production functions at the points the plan names."""
     from torch import nn
 
+    import engine
     import train
     from ckpt import atomic, retention, sharded, single
     from inputs import sources
@@ -231,6 +263,21 @@ def install(plan: Plan) -> None:
 
         def forward(self, logits: Any, labels: Any) -> Any:
             return self.loss_fn(logits, labels) * float("nan")
+
+    # -- evaluation batches --
+    def evaluate(original: Callable, model: Any, batches: Any, *args: Any, **kwargs: Any) -> Any:
+        rank = int(os.environ.get("RANK", "0"))
+
+        def slowed() -> Any:
+            for i, batch in enumerate(batches):
+                if i == 0:
+                    plan.fire("eval", "begin", rank)
+                plan.fire("eval", "batch", rank)
+                yield batch
+
+        return original(model, slowed(), *args, **kwargs)
+
+    _wrap(engine, "evaluate", evaluate)
 
     # -- dataset preparation (local rank 0 of each node prepares) --
     rank = int(os.environ.get("RANK", "0"))

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from helpers import ThreadRanks
 
 import distributed
 from distributed import DistInfo
-from resilience import DivergedError, StepGuard, Verdict
+from resilience import DivergedError, PreemptionHandler, StepGuard, Verdict
 
 ONE = DistInfo(0, 0, 1, torch.device("cpu"))
 FINITE = torch.tensor(2.5)
@@ -108,3 +111,25 @@ def test_one_ranks_nan_signal_or_busy_writer_is_every_ranks_verdict(monkeypatch)
         for stop in (other, "SIGTERM", other)
     ]
     assert [second for _, second in verdicts] == [Verdict(False, None, ())] * 3
+
+
+def test_on_stop_runs_once_on_the_watcher_thread_as_the_signal_arrives() -> None:
+    """The crash-loop breaker's uncount must not wait for a step boundary (issue 31 B1): the
+    callback runs on the watcher thread, once for two signals, and at once for a late caller."""
+    handler = PreemptionHandler(("SIGUSR2",))
+    ran: list[str] = []
+    done = threading.Event()
+    handler.install()
+    try:
+        handler.on_stop(lambda: (ran.append(threading.current_thread().name), done.set()))
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert done.wait(10)
+    finally:
+        handler.restore()
+    assert ran == ["preemption-watcher"]
+    assert handler.received == "SIGUSR2"
+    late: list[int] = []
+    handler.on_stop(lambda: late.append(1))
+    assert late == [1]
+    assert signal.set_wakeup_fd(-1) == -1  # restored: no wakeup fd left behind

@@ -39,12 +39,16 @@ if [[ "$1 $2" == "show hostnames" ]]; then
   sleep "${{FAKE_SCONTROL_SLEEP:-0}}"  # a slow controller: the batch shell waits here
   printf '%s\\n' {" ".join(HOSTS)}; exit 0
 fi
+if [[ "$1 $2" == "show job" && -n "${{FAKE_TIME_LIMIT:-}}" ]]; then
+  printf '   RunTime=00:00:01 TimeLimit=%s TimeMin=N/A\n' "$FAKE_TIME_LIMIT"; exit 0
+fi
 if [[ "$1" == requeue && -f "$FAKE_LOG/srun.pid" ]]; then
   kill -TERM "$(cat "$FAKE_LOG/srun.pid")" 2>/dev/null || true
 fi
 """
 
-# Records its arguments (NUL-separated) and the rendezvous environment. FAKE_SRUN_MODE=exec runs
+# Records its arguments (NUL-separated) and the rendezvous environment, and creates the file
+# FAKE_SRUN_CREATES names (a checkpoint's manifest: progress). FAKE_SRUN_MODE=exec runs
 # the task command once per node with that node's SLURM_NODEID, as srun would; =sleep waits to be
 # killed, or on SIGUSR2 exits with FAKE_SRUN_STATUS (75: the workers checkpointed). Otherwise it
 # runs nothing and exits FAKE_SRUN_STATUS (0).
@@ -53,6 +57,9 @@ printf '%s\\0' "$@" > "$FAKE_LOG/srun.args"
 for v in NNODES MASTER_ADDR MASTER_PORT JOB_ID RUN_DIR; do
   printf '%s=%s\\n' "$v" "${!v-<unset>}"
 done > "$FAKE_LOG/srun.env"
+if [[ -n "${FAKE_SRUN_CREATES:-}" ]]; then
+  mkdir -p "$(dirname "$FAKE_SRUN_CREATES")" && touch "$FAKE_SRUN_CREATES"
+fi
 case "${FAKE_SRUN_MODE:-record}" in
   exec)
     while [[ "$1" == --* ]]; do shift; done  # srun's own options
@@ -161,7 +168,8 @@ def test_sbatch_sets_rendezvous_and_passes_args(slurm: dict[str, str]) -> None:
     # The run dir, then every passthrough argument exactly as given, at the end of the line.
     assert args[-len(PASSTHROUGH) - 1 :] == [f"--run.dir={run_dir}", *PASSTHROUGH]
     assert (log / "scontrol.log").read_text().splitlines() == [
-        f"show hostnames {slurm['SLURM_JOB_NODELIST']}"
+        f"show hostnames {slurm['SLURM_JOB_NODELIST']}",
+        "show job 123457",  # its time limit
     ]
 
 
@@ -331,6 +339,60 @@ def test_sbatch_refuses_a_default_run_dir_of_an_earlier_job(slurm: dict[str, str
     assert result.returncode == 0, result.stderr
     args = _read_nul(Path(slurm["FAKE_LOG"]) / "srun.args")
     assert f"--run.dir={stale}" in args
+
+
+@pytest.mark.parametrize(
+    ("limit", "refused", "warned"),
+    [
+        ("00:01:00", True, False),
+        ("00:03:00", True, False),  # the 120 s lead + the 60 s Slurm may send it early
+        ("00:05:00", False, True),
+        ("1-00:00:00", False, False),
+        ("UNLIMITED", False, False),
+    ],
+)
+def test_sbatch_refuses_a_time_limit_that_leaves_no_time_before_the_step_signal(
+    slurm: dict[str, str], limit: str, refused: bool, warned: bool
+) -> None:
+    """Issue 31 B5: on the real Slurm test cluster `--time=1` with `--signal=B:USR2@120` was
+    requeued forever, one step each time (the signal came at once). Before, this test's
+    one-minute job started a job step (exit 0 here, no word); now it is refused, exit 2,
+    naming --time and the signal's lead, and a short limit is warned about."""
+    result = _run_sbatch({**slurm, "FAKE_TIME_LIMIT": limit})
+    started = (Path(slurm["FAKE_LOG"]) / "srun.args").exists()
+    assert started != refused, result.stderr
+    assert result.returncode == (exitcodes.EXIT_BAD_INPUT if refused else 0), result.stderr
+    assert ("--time is" in result.stderr and "USR2@120" in result.stderr) == (refused or warned)
+    assert ("warning" in result.stderr) == warned
+
+
+def test_sbatch_preemptions_that_save_no_checkpoint_end_after_max_idle_requeues(
+    slurm: dict[str, str],
+) -> None:
+    """Issue 31 B5: a preempted step (75) is requeued without counting against MAX_REQUEUES,
+    so one that never saves a new checkpoint was requeued forever. Now MAX_IDLE_REQUEUES (3)
+    such requeues in a row end the job with 76; one that saved a checkpoint resets the count."""
+    log = Path(slurm["FAKE_LOG"])
+    run_dir = Path(slurm["SLURM_SUBMIT_DIR"]) / "runs" / "slurm-gpu-123457"
+    env = {**slurm, "FAKE_SRUN_STATUS": "75", "SLURM_RESTART_COUNT": "1"}
+
+    def requeued(**more: str) -> tuple[bool, subprocess.CompletedProcess[str]]:
+        (log / "scontrol.log").unlink(missing_ok=True)
+        result = _run_sbatch({**env, **more})
+        calls = (log / "scontrol.log").read_text().splitlines()
+        return "requeue 123457" in calls, result
+
+    progress = str(run_dir / "checkpoints" / "step_5.manifest.json")
+    assert requeued(FAKE_SRUN_CREATES=progress)[0]  # a new checkpoint: progress
+    for _ in range(3):
+        again, result = requeued()
+        assert again and result.returncode == exitcodes.EXIT_PREEMPTED, result.stderr
+    again, result = requeued()
+    assert not again and result.returncode == exitcodes.EXIT_NO_PROGRESS, result.stderr
+    assert "4 preemptions in a row saved no new checkpoint" in result.stderr
+    # A step that saved one starts the count anew.
+    assert requeued(FAKE_SRUN_CREATES=str(run_dir / "checkpoints" / "step_9.manifest.json"))[0]
+    assert (run_dir / "requeues_without_progress").read_text().strip() == "0"
 
 
 @pytest.mark.parametrize(("how", "requeued"), [("capped", False), ("", True)])

@@ -256,6 +256,22 @@ def test_time_limit_signal_checkpoints_requeues_and_ends_exact(
     assert_ends_like(tmp_path / "run", long_reference[0], LONG_EPOCHS)
 
 
+def test_a_time_limit_within_the_signal_lead_is_refused_not_requeued_forever(
+    cluster, tmp_path
+) -> None:
+    """Issue 31 B5: with `--time=1` and the script's `--signal=B:USR2@120` the signal came at
+    once, so each run trained a step, checkpointed, exited 75 and was requeued: forever, a step
+    every 2.5 minutes, never counted. Now the batch shell reads the job's time limit
+    (scontrol), refuses it before any job step with exit 2 naming --time and the signal's
+    lead, and the job is not requeued."""
+    job_id = submit(cluster, tmp_path, LONG_JOB, "--time=1")
+    job = run_to_end(cluster, job_id, tmp_path, timeout=180)
+    log = (tmp_path / "job.out").read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "2:0", "0"), log
+    assert "--time is 60 s" in log and "USR2@120" in log
+    assert not (tmp_path / "run").exists()  # no job step started
+
+
 def test_node_failure_requeues_and_ends_exact(cluster, reference, tmp_path) -> None:
     """node2 dies (its slurmd, slurmstepd and job processes: SIGKILL) after a checkpoint.
     Slurm marks it DOWN within SlurmdTimeout, requeues the job (--requeue) and, once node2 is
