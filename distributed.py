@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -206,6 +207,35 @@ _PEER_GONE_TYPES = tuple(
     getattr(dist, name) for name in ("DistBackendError", "DistNetworkError") if hasattr(dist, name)
 )
 PEER_GRACE_S = 1.0
+# gloo names the address whose connection broke (pair.cc): "Connection closed by peer
+# [10.0.0.2]:41234", "Read error [10.0.0.2]:41234: Connection reset by peer"
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+# Every rank's host and addresses, as preflight gathered them (`know_peers`): a broken
+# connection is then named by the node at its other end, not only by rank 0's own error.
+_peers: list[dict[str, Any]] = []
+
+
+def know_peers(records: list[dict[str, Any]]) -> None:
+    """Remember who the ranks are: each record a rank's "rank", "host" and "addresses"."""
+    _peers[:] = records
+
+
+def broken_peer(error: BaseException) -> str | None:
+    """Which node a collective's broken connection led to, from gloo's message and the ranks
+    preflight met; None when the error names no address."""
+    found = _PEER_ADDRESS.search(str(error))
+    if found is None:
+        return None
+    address, me = found[1], int(os.environ.get("RANK", "0"))
+    there = [r for r in _peers if address in r.get("addresses", ()) and r["rank"] != me]
+    if not there:
+        return f"the connection to {address} broke"
+    hosts = ", ".join(sorted({str(r["host"]) for r in there}))
+    ranks = ", ".join(str(r["rank"]) for r in sorted(there, key=lambda r: r["rank"]))
+    return (
+        f"the connection to {address} ({hosts}: rank {ranks}) broke: that rank failed first "
+        "or is gone, and its own log names the root cause"
+    )
 
 
 def caused_by_a_peer(error: BaseException) -> bool:
@@ -226,10 +256,12 @@ def outlive_the_root_cause(error: BaseException) -> None:
     runs out in full (train.py's early handlers take torchrun's SIGTERM once training has
     given the stop signals back): a second more before a restart."""
     if active() and caused_by_a_peer(error):
+        where = broken_peer(error)
         log.error(
-            "another rank failed or is gone (%s): exiting in %.0f s, so that the launcher "
+            "another rank failed or is gone (%s%s): exiting in %.0f s, so that the launcher "
             "reports that rank's failure first",
             type(error).__name__,
+            f": {where}" if where else "",
             PEER_GRACE_S,
         )
         time.sleep(PEER_GRACE_S)

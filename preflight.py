@@ -62,6 +62,16 @@ def source_files() -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+def _addresses() -> list[str]:
+    """This host's addresses as its name resolves (the ones its peers connect to, unless
+    GLOO_SOCKET_IFNAME picks another interface): they name this node in a peer's error."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None)
+    except OSError:
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
 def _installed(path: Path) -> bool:
     """Python's own library or an installed package (a working directory of / or $HOME holds
     them too): their versions are the python and torch checks' business."""
@@ -92,6 +102,7 @@ def describe(info: DistInfo, dataset_fingerprint: str, config_hash: str) -> dict
         "config": config_hash,
         "code": _digest(files),
         "code_files": files,
+        "addresses": _addresses(),
     }
 
 
@@ -129,6 +140,9 @@ def _files_apart(records: list[dict[str, Any]], majority: str) -> list[str]:
 def check(info: DistInfo, dataset_fingerprint: str, config_hash: str) -> list[dict[str, Any]]:
     """Collective: gather every rank's description, fail everywhere on any mismatch."""
     records = distributed.all_gather_object(describe(info, dataset_fingerprint, config_hash))
+    distributed.know_peers(
+        [{key: r[key] for key in ("rank", "host", "addresses")} for r in records]
+    )
     problems = mismatches(records)
     if problems:
         raise PreflightError("preflight found ranks that disagree:\n  " + "\n  ".join(problems))

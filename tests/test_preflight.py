@@ -177,3 +177,74 @@ def test_a_missing_or_malformed_variable_is_named(unset: str, value: str | None)
     result = _rendezvous_check(**env)
     assert result.returncode == exitcodes.EXIT_BAD_INPUT, result.stderr
     assert unset in result.stderr and "Traceback" not in result.stderr
+
+
+def _connection_broken_by_rank_1(rank: int, store: str, out: str) -> None:
+    """Rank 1 leaves (its sockets closed by the kernel) after one all-reduce; rank 0's next
+    all-reduce breaks, and rank 0 writes what `broken_peer` makes of gloo's real error."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import distributed
+
+    dist.init_process_group("gloo", f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))  # fmt: skip
+    distributed.know_peers(
+        [
+            {"rank": 0, "host": "node-a", "addresses": ["127.0.0.1"]},
+            {"rank": 1, "host": "node-b", "addresses": ["127.0.0.1", "10.9.9.9"]},
+        ]
+    )
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        os._exit(0)
+    said = None
+    try:
+        for _ in range(200):
+            dist.all_reduce(torch.ones(1))
+    except RuntimeError as err:
+        said = [distributed.broken_peer(err), str(err)]
+    with open(out, "w") as file:
+        json.dump(said, file)
+    os._exit(0)
+
+
+@pytest.mark.spawn
+def test_a_broken_connection_names_the_node_at_its_other_end(tmp_path) -> None:
+    """Before, when a rank on another node died, node 0's log named only its own rank 0's
+    error ("Connection closed by peer [ADDR]:PORT"). Now the address is matched to the host
+    and ranks preflight met there (rank 0 itself left out)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "said.json"
+    mp.start_processes(
+        _connection_broken_by_rank_1,
+        args=(str(tmp_path / "store"), str(out)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    named, error = json.loads(out.read_text())
+    assert "by peer [127.0.0.1]" in error, error  # gloo's own words (pair.cc)
+    assert named.startswith("the connection to 127.0.0.1 (node-b: rank 1) broke"), named
+
+
+def test_both_forms_of_a_gloo_broken_connection_names_its_address(monkeypatch) -> None:
+    """gloo's pair.cc words it two ways; the bracketed source path before it is not an
+    address. Without preflight's records only the address is named."""
+    import distributed
+
+    monkeypatch.setattr(
+        distributed, "_peers", [{"rank": 3, "host": "n1", "addresses": ["10.0.0.2"]}]
+    )
+    reset = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+        "[10.0.0.2]:45734: Connection reset by peer. This is typically caused by ..."
+    )
+    assert distributed.broken_peer(reset).startswith("the connection to 10.0.0.2 (n1: rank 3)")
+    monkeypatch.setattr(distributed, "_peers", [])
+    assert distributed.broken_peer(reset) == "the connection to 10.0.0.2 broke"
+    assert distributed.broken_peer(RuntimeError("Connection closed by peer")) is None
