@@ -5,7 +5,7 @@
 # core), a count >= 1, cpu (one per core), gpu or xpu (one per device: only where there are
 # some). TRAIN_SCRIPT (train.py) names your own entry point that ends in train.main().
 # SUPERVISE_GRACE_S (120) is the preemption budget: how long a stop signal leaves the workers
-# to write their checkpoint (scripts/supervise.py gives torchrun the same).
+# to write their checkpoint (scripts/supervise.py gives torchrun the same). JOB_ID: below.
 set -euo pipefail
 EXIT_BAD_INPUT=2
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,7 +30,16 @@ case $NPROC_PER_NODE in
         "or xpu" ;;
 esac
 
-cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC_PER_NODE"
+# JOB_ID names the job across launches (a container restarted by its runtime: see
+# scripts/container/job_id.sh), so that a launch after a hard kill takes its run dir's lease
+# back at once instead of being refused until it expires. Unset: a new id per launch
+# (--standalone), and a second launch on a run dir in use is refused.
+if [[ -n ${JOB_ID:-} ]]; then
+  rdzv=(--nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="$JOB_ID")
+else
+  rdzv=(--standalone)
+fi
+cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node="$NPROC_PER_NODE"
   "${TRAIN_SCRIPT:-train.py}" "$@")
 echo "train_single_node.sh: ${cmd[*]}"
 # A fresh rendezvous store per restart (see launch_multinode.sh).

@@ -10,6 +10,7 @@ exit 75, and a resumed run must end `torch.equal` to a run that was never stoppe
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -501,3 +502,85 @@ def test_a_shutdown_timeout_given_to_torchrun_is_kept_and_the_budget_named(
     assert expected in proc.stderr, proc.stderr
     if "soon" in expected:
         assert proc.returncode == exitcodes.EXIT_BAD_INPUT
+
+
+def test_a_launch_with_the_same_job_id_takes_its_run_dir_back_after_a_hard_kill(tmp_path):
+    """A container killed outright (SIGKILL to every process: the OOM killer, `docker kill`)
+    and restarted at once by its runtime. Before, the default launcher's torchrun --standalone
+    drew a new job id per launch, so the restart found the old lease alive and exited 2 ("bad
+    input") until it expired (run.lease_timeout_s, 120 s by default). With JOB_ID (the
+    container's entry point sets it from scripts/container/job_id.sh) it takes the run dir
+    back and continues; without one, a second launch on a run dir in use is still refused."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1", "JOB_ID": "container-1"}
+    job = tiny_job_args(run_dir, train_max_steps=STEPS, log_every_steps=1, ckpt_every_steps=5)
+    # Each launch in a PID namespace of its own, as each container start is: a holder there
+    # cannot be seen to be dead from here, so its lease stands until it expires (on one
+    # host and namespace the dead holder's pid and start time tell at once).
+    container = ["unshare", "--pid", "--fork", "--mount-proc"]
+    command = [*container, "bash", "scripts/train_single_node.sh", *job]
+    with (tmp_path / "first.log").open("w") as log:
+        first = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    wait_for_train_rows(run_dir, first, rows=10)
+    for pid in job_tree(first.pid)["all"]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    time.sleep(1)  # the kill lands on every process; the lease stays, its heartbeat fresh
+    anonymous = {key: value for key, value in env.items() if key != "JOB_ID"}
+    refused = subprocess.run(
+        command, cwd=REPO, env=anonymous, capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == exitcodes.EXIT_BAD_INPUT, refused.stderr[-3000:]
+    assert "in use by job torchrun-container-1" in refused.stderr, refused.stderr[-3000:]
+    again = subprocess.run(
+        [*command, f"--train.max_steps={STEPS // 20}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stderr, again.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [  # /proc/self/mountinfo lines as Docker, Podman (rootful, rootless) and the kubelet write
+        (
+            "601 583 253:1 /var/lib/docker/containers/4f2c/hosts /etc/hosts rw - ext4 /dev/vda1 r",
+            True,
+        ),
+        (
+            "712 690 0:44 /containers/storage/overlay-containers/9be1/userdata/hosts /etc/hosts "
+            "rw,nosuid - tmpfs tmpfs rw",
+            True,
+        ),
+        (
+            "33 30 0:27 /user/1000/containers/overlay-containers/77aa/userdata/hosts /etc/hosts "
+            "rw - tmpfs tmpfs rw",
+            True,
+        ),
+        (
+            "1422 1410 253:1 /var/lib/kubelet/pods/5e0d/etc-hosts /etc/hosts rw - ext4 /dev/sda1 r",
+            True,
+        ),
+        ("25 1 253:1 / / rw,relatime - ext4 /dev/vda1 rw", False),  # no container: no id
+    ],
+)
+def test_a_containers_job_id_is_its_own_and_kept_by_its_restarts(tmp_path, line, named) -> None:
+    """scripts/container/job_id.sh reads the host directory /etc/hosts is bind-mounted from:
+    per container (per pod on Kubernetes), so a restart keeps it and another container, even
+    with the host's network and host name, does not share it."""
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"24 1 0:22 / /proc rw - proc proc rw\n{line}\n")
+    script = REPO / "scripts" / "container" / "job_id.sh"
+    printed = subprocess.run(
+        ["bash", str(script), str(mountinfo)], capture_output=True, text=True, check=True
+    ).stdout
+    source = line.split()[3]
+    expected = f"container-{hashlib.sha256(source.encode()).hexdigest()[:12]}\n"
+    assert printed == (expected if named else "")
