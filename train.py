@@ -311,8 +311,7 @@ class Trainer:
             log.warning(
                 "model.weights=%s is not loaded: the run resumes from %s, which holds the "
                 "weights (start a new run.dir to fine-tune from the file)",
-                self.cfg.model.weights,
-                resumed.path,
+                *(self.cfg.model.weights, resumed.path),
             )
         self.pending_eval = resumed.pending_eval
         pos = self.position
@@ -538,8 +537,8 @@ class Trainer:
         if signal_name is None:
             return
         step = self.position.step
-        if self.attempt is not None:  # a stop, not a failure, even if the save is killed (the
-            self.attempt.uncount()  # watcher did it already unless another rank was signalled)
+        if self.attempt is not None:  # a stop, not a failure (the watcher's, if signalled here)
+            self.attempt.uncount()
         at_segment_end = self.steps_left_in_epoch() == 0 or step == self.total_steps
         if at_segment_end and not buffers_averaged:
             distributed.average_buffers(self.model)
