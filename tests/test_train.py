@@ -168,7 +168,9 @@ def test_model_mismatch_names_the_checkpoint() -> None:
     model = build_on_cpu(cfg, splits, ONE)
     other = build_on_cpu(parse_args(["--model.widths=8,32"]), splits, ONE)
     manager, _ = manager_with(cfg, model=parts.ModelState(model))
-    with pytest.raises(CheckpointError, match="old.pt does not fit this run's model"):
+    with pytest.raises(
+        CheckpointError, match=r"old.pt does not fit this run's model.*use a new run.dir"
+    ):
         manager.restore(Path("old.pt"), saved_state(cfg, model=other.state_dict()))
 
 
