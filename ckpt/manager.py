@@ -348,8 +348,8 @@ class CheckpointManager:
                     raise instead from err
                 raise CheckpointError(
                     f"checkpoint {path} does not fit this run's {name} (did model.* or "
-                    f"optim.name change?): {err}. Resume with the settings it was trained "
-                    "with, or use a new run.dir (model.weights can start it from this checkpoint)"
+                    "optim.name change? Resume with the settings it was trained with, or use a "
+                    f"new run.dir: model.weights can start it from this checkpoint): {err}"
                 ) from err
         meta = {key: state[key] for key in _META_KEYS if key in state}
         return Resumed(path, meta)
