@@ -14,6 +14,9 @@ the message names the variable) a missing or malformed variable, MASTER_PORT or
 RDZV_CHECK_PORT in use on node 0, MASTER_ADDR not an address of node 0, duplicate NODE_RANK,
 NNODES differing between nodes, advertised addresses that do not lead back to their node.
 
+`--pick-port START` prints the first of START, START + 2, ... that is free here with its
+successor (train.sbatch, on node 0, for a MASTER_PORT it derived).
+
 Why torchrun's own rendezvous is not enough, and what each check prevents: docs/running.md.
 """
 
@@ -86,9 +89,9 @@ def port_holders(port: int) -> list[str]:
     return holders
 
 
-def require_free_port(variable: str, port: int) -> None:
-    """On node 0: `port` can be listened on (SO_REUSEADDR: a closing socket of a previous
-    attempt in TIME_WAIT does not count), else bad input naming `variable` and the holder."""
+def port_taken(port: int) -> str | None:
+    """Why `port` cannot be listened on here, or None when it can (SO_REUSEADDR: a closing
+    socket of a previous attempt in TIME_WAIT does not count)."""
     try:  # all addresses, IPv4 too, as c10d's TCPStore listens; IPv4 alone without IPv6
         sock = socket.socket(socket.AF_INET6)
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -99,9 +102,25 @@ def require_free_port(variable: str, port: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((anywhere, port))
-            return
+            return None
         except OSError as err:
-            reason = err.strerror or str(err)
+            return err.strerror or str(err)
+
+
+def pick_port(start: int, tries: int = 64) -> int:
+    """The first of start, start + 2, ... whose port and the next (the rendezvous check's) can
+    both be listened on here; `start` when none can (the check then names the holder)."""
+    for port in range(start, min(start + 2 * tries, 65534), 2):
+        if port_taken(port) is None and port_taken(port + 1) is None:
+            return port
+    return start
+
+
+def require_free_port(variable: str, port: int) -> None:
+    """On node 0: `port` can be listened on, else bad input naming `variable` and the holder."""
+    reason = port_taken(port)
+    if reason is None:
+        return
     holders = port_holders(port)
     held = f"held by {'; '.join(holders)}" if holders else "held by a process /proc does not show"
     fail(
@@ -316,6 +335,9 @@ def setting(name: str, kind: type, default: str | None = None) -> int | float | 
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--pick-port"]:  # train.sbatch, for a port it derived: print one free
+        print(pick_port(int(sys.argv[2])))
+        return 0
     try:
         message = run(
             str(setting("MASTER_ADDR", str)),

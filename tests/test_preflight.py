@@ -248,3 +248,31 @@ def test_both_forms_of_a_gloo_broken_connection_names_its_address(monkeypatch) -
     monkeypatch.setattr(distributed, "_peers", [])
     assert distributed.broken_peer(reset) == "the connection to 10.0.0.2 broke"
     assert distributed.broken_peer(RuntimeError("Connection closed by peer")) is None
+
+
+def test_a_derived_port_held_on_node_zero_is_exchanged_for_a_free_pair() -> None:
+    """train.sbatch derives MASTER_PORT from the job id; before, a port another process held
+    on node 0 ended the job with exit 2 ("bad input, not requeued") though the user chose no
+    port. `--pick-port` steps by 2 to a port free with its successor (the rendezvous check's)."""
+    port = free_port()
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+        held.bind(("", port))
+        held.listen()
+        picked = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "rendezvous_check.py"),
+                "--pick-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+    chosen = int(picked.stdout)
+    assert chosen > port and (chosen - port) % 2 == 0
+    for candidate in (chosen, chosen + 1):
+        with socket.socket() as probe:
+            probe.bind(("", candidate))
