@@ -34,6 +34,7 @@ from benchmarks.loaders import measure_loader
 from benchmarks.mfu import measure_mfu
 from benchmarks.pipeline import build_rig, measure_overhead
 from benchmarks.report import environment, table, time_to_accuracy, to_json
+from benchmarks.resume import measure_resume
 from benchmarks.scaling import measure_scaling
 from benchmarks.strategies import measure_strategies, strategies_table
 from cli import parse_args
@@ -119,6 +120,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         action="store_true",
         help="with --strategies: measure the strategies alone (not the pipeline's figures)",
     )
+    parser.add_argument(
+        "--resume-turns",
+        type=int,
+        help="with --strategies: turns of fsdp's fresh start, resume and whole-tensor resume "
+        "whose peak memory is compared (default 3, 1 with --quick)",
+    )
     args, rest = parser.parse_known_args(argv)
     return args, parse_args(rest, prog="python -m benchmarks")
 
@@ -163,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=parent))
         try:
             report["strategies"] = measure_strategies(args.strategies, device, plan, scratch)
+            turns = args.resume_turns or (1 if plan.quick else 3)  # after fsdp's runs: their
+            report["strategies"]["resume"] = measure_resume(  # checkpoint is the one resumed
+                args.strategies, device.type, scratch, turns, 64, 8
+            )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     report.update(

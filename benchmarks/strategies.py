@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import statistics
 import sys
 import time
@@ -39,9 +38,18 @@ from model import build
 STRATEGIES = ("ddp", "zero", "fsdp")
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     """This process's resident set now (/proc/self/statm, pages)."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss, which Linux carries
+    over exec: a rank spawned from a parent that had grown larger read the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _local_bytes(tensors: Iterator[torch.Tensor]) -> int:
@@ -125,7 +133,7 @@ def strategy_report(
     async_stall: bool,
 ) -> dict[str, Any]:
     """This rank's figures under `strategy` (strategy_entry says which)."""
-    rss_start = _rss_bytes()
+    rss_start = rss_bytes()
     par, optimizer = build_strategy(info, strategy, model_name, image)
     held: dict[str, int] = {}
     step = training_step(info, par, optimizer, batch, image, held)
@@ -192,7 +200,7 @@ def peak_memory(device: torch.device, rss_start: int) -> tuple[int, str]:
     """This rank's peak memory so far, and what it is."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "max_memory_allocated"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start
+    peak = peak_rss_bytes() - rss_start
     return peak, "peak RSS above the RSS before the model was built"
 
 
@@ -463,4 +471,17 @@ def strategies_table(result: dict[str, Any]) -> str:
                 f"synchronous sharded save); stall / synchronous sharded save "
                 f"{result['stall_ratio']:.2f}"
             )
+    if "resume" in result:
+        r = result["resume"]
+        fresh, rows, whole = (r[f"{k}_peak_bytes"] for k in ("fresh", "resume", "resume_whole"))
+        lines.append(
+            "fsdp peak over a start and one step, MB (the larger rank): fresh "
+            f"{_mb(fresh)}; resumed, each rank reading its rows {_mb(rows)} "
+            f"({r['resume_vs_fresh']:.2f} of fresh), every tensor read whole {_mb(whole)} "
+            f"({r['resume_whole_vs_fresh']:.2f}) ({r['peak_kind']})"
+        )
     return "\n".join(lines)
+
+
+def _mb(spread: Spread) -> str:
+    return f"{spread.median / 1e6:,.0f} [{spread.min / 1e6:,.0f}-{spread.max / 1e6:,.0f}]"

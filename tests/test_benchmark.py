@@ -217,3 +217,7 @@ def test_strategies_report_what_each_rank_holds(tmp_path) -> None:
     assert fsdp["state_vs_ddp"] < 0.55
     assert report["checkpoint"]["save_sharded_s"]["median"] > 0
     assert "fsdp" in result.stdout and "save sharded" in result.stdout
+    # A resume reads each rank's rows: less memory than reading every tensor whole (a memory
+    # figure, not a time: the same on a busy machine; the ratios are in BENCHMARKS.md).
+    resume = report["resume"]
+    assert resume["resume_peak_bytes"]["median"] < resume["resume_whole_peak_bytes"]["median"]
