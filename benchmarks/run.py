@@ -130,6 +130,21 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     return args, parse_args(rest, prog="python -m benchmarks")
 
 
+def strategies_and_resume(
+    args: argparse.Namespace, device: torch.device, plan: Plan, parent: Path
+) -> dict[str, Any]:
+    """--strategies: ddp, zero and fsdp side by side, then fsdp's resume against a fresh
+    start, from the checkpoint fsdp's runs wrote."""
+    scratch = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=parent))
+    try:
+        result = measure_strategies(args.strategies, device, plan, scratch)
+        turns = args.resume_turns or (1 if plan.quick else 3)
+        result["resume"] = measure_resume(args.strategies, device.type, scratch, turns, 64, 8)
+        return result
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
@@ -167,15 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_to_accuracy:
         report["time_to_accuracy"] = time_to_accuracy(args.time_to_accuracy)
     if args.strategies:
-        scratch = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=parent))
-        try:
-            report["strategies"] = measure_strategies(args.strategies, device, plan, scratch)
-            turns = args.resume_turns or (1 if plan.quick else 3)  # after fsdp's runs: their
-            report["strategies"]["resume"] = measure_resume(  # checkpoint is the one resumed
-                args.strategies, device.type, scratch, turns, 64, 8
-            )
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        report["strategies"] = strategies_and_resume(args, device, plan, parent)
     report.update(
         environment=env,
         plan=dataclasses.asdict(plan),
