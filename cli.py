@@ -337,6 +337,10 @@ class _Scope:
     users: str
     applies: Callable[[Config], bool]
     chosen: Callable[[Config], str]
+    # The key whose value made the choice, where a later source may override an earlier one:
+    # refused only when both come from one source; otherwise the earlier value is said to be
+    # replaced (`notices`), as a command line over a recipe file does (configs/*.toml).
+    chooser: str | None = None
 
 
 def _data(cfg: Config) -> str:
@@ -403,12 +407,14 @@ _SCOPES = (
         "runs without data.global_batch_size (which derives data.batch_size)",
         lambda c: c.data.global_batch_size == 0,
         lambda c: f"data.global_batch_size={c.data.global_batch_size}",
+        "data.global_batch_size",
     ),
     _Scope(
         ("data.prefetch_factor",),
         "DataLoader worker processes (data.num_workers > 0)",
         lambda c: c.data.num_workers > 0,
         lambda c: f"data.num_workers={c.data.num_workers}",
+        "data.num_workers",
     ),
     _Scope(
         ("optim.betas",),
@@ -439,6 +445,7 @@ def check_given(cfg: Config, given: dict[str, str], origin: dict[str, str]) -> N
     problems = []
     for scope in _SCOPES:
         ignored = [key for key in scope.keys if key in given]
+        ignored = [key for key in ignored if not _across_sources(scope, key, origin)]
         if not ignored or scope.applies(cfg):
             continue
         settings = ", ".join(
@@ -476,11 +483,44 @@ def ignored_here(given: dict[str, str], world_size: int, device_type: str) -> li
     return lines
 
 
+def notices(cfg: Config, argv: list[str], world_size: int, device_type: str) -> list[str]:
+    """What train.py says at start about settings given and ignored: `replaced` ones, then
+    those this process's placement ignores (`ignored_here`)."""
+    return [*replaced(cfg, argv), *ignored_here(given_settings(argv), world_size, device_type)]
+
+
+def _across_sources(scope: _Scope, key: str, origin: dict[str, str]) -> bool:
+    """Whether `key` and the scope's chooser come from different sources (origin: key -> the
+    file it came from; a key the command line gave has none)."""
+    return scope.chooser is not None and origin.get(key) != origin.get(scope.chooser)
+
+
 def given_settings(argv: list[str]) -> dict[str, str]:
     """key -> value as typed, of every setting the command line or its --config files give."""
+    return _given_and_origin(argv)[0]
+
+
+def _given_and_origin(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     config_files, cli_args = split_config_flag(argv)
-    file_args, _ = _file_args(config_files)
-    return dict(_options(file_args)) | dict(_options(cli_args))
+    file_args, origin = _file_args(config_files)
+    cli = dict(_options(cli_args))
+    given = dict(_options(file_args)) | cli
+    return given, {key: source for key, source in origin.items() if key not in cli}
+
+
+def replaced(cfg: Config, argv: list[str]) -> list[str]:
+    """One line per setting of one source that another source's choice makes a no-op (a
+    recipe file's data.batch_size under the command line's data.global_batch_size)."""
+    given, origin = _given_and_origin(argv)
+    lines = []
+    for scope in _SCOPES:
+        for key in scope.keys:
+            if key in given and _across_sources(scope, key, origin) and not scope.applies(cfg):
+                where = f"{origin[key]}: " if key in origin else ""
+                lines.append(
+                    f"{where}{key}={given[key]} has no effect: this run has {scope.chosen(cfg)}"
+                )
+    return lines
 
 
 def _check_not_empty(given: dict[str, str], origin: dict[str, str]) -> None:

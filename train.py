@@ -45,7 +45,7 @@ import resilience
 import sharding
 from ckpt import parts, rundir
 from ckpt.manager import CheckpointManager, Resumed, RunRecord
-from cli import given_settings, ignored_here, parse_args
+from cli import notices, parse_args
 from config import (
     IGNORED,
     Config,
@@ -679,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         info = distributed.setup(cfg.dist, auto.backend(cfg.dist.backend))
         if info.is_main:
-            for line in ignored_here(given_settings(argv), info.world_size, info.device.type):
+            for line in notices(cfg, argv, info.world_size, info.device.type):
                 log.warning(line)
         cfg = for_world_size(cfg, info.world_size)
         result = train(cfg, info)

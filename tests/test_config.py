@@ -503,3 +503,26 @@ def test_an_empty_config_flag_names_the_flag_not_a_directory(argv, capsys) -> No
     reason, _ = rejected(argv, capsys)
     assert reason.startswith("--config: '' (empty)"), reason
     assert "'.'" not in reason
+
+
+def test_a_recipe_files_setting_overridden_from_the_command_line_is_said_not_refused(
+    tmp_path, capsys
+) -> None:
+    """docs/debugging.md advises `--data.num_workers=0` on top of a recipe file that sets
+    data.prefetch_factor (configs/imagefolder_resnet50.toml), and a recipe's data.batch_size
+    may meet a --data.global_batch_size: the later source's choice wins and the file's value
+    is named as having no effect. Both from one source are still refused (the review found
+    the recipes refused with exit 2)."""
+    toml = tmp_path / "recipe.toml"
+    toml.write_text("[data]\nbatch_size = 64\nprefetch_factor = 4\n")
+    argv = [f"--config={toml}", "--data.num_workers=0", "--data.global_batch_size=128"]
+    cfg = parse_args(argv)
+    assert cli.replaced(cfg, argv) == [
+        f"config file '{toml}': data.batch_size=64 has no effect: this run has "
+        "data.global_batch_size=128",
+        f"config file '{toml}': data.prefetch_factor=4 has no effect: this run has "
+        "data.num_workers=0",
+    ]
+    toml.write_text("[data]\nbatch_size = 64\nglobal_batch_size = 128\n")
+    reason, _ = rejected([f"--config={toml}"], capsys)
+    assert "data.batch_size=64 is for runs without data.global_batch_size" in reason
