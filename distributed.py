@@ -287,15 +287,25 @@ def raise_if_any_failed(info: DistInfo, error: BaseException | None, what: str) 
             raise error
         return
     failed = error is not None
-    flags = torch.tensor([float(failed), float(failed and is_bad_input(error))], device=info.device)
-    num_failed, num_bad_input = (int(v) for v in all_reduce_sum(flags).tolist())
+    transient = failed and _exit_code_of(error) == exitcodes.EXIT_IO
+    flags = [float(failed), float(failed and is_bad_input(error)), float(transient)]
+    counts = all_reduce_sum(torch.tensor(flags, device=info.device)).tolist()
+    num_failed, num_bad_input, num_transient = (int(v) for v in counts)
     if error is not None:
         raise error
     if num_failed:
+        code = 2 if num_bad_input == num_failed else 1
         raise PeerError(
             f"{what} failed on {num_failed} other rank(s); see their errors",
-            exit_code=2 if num_bad_input == num_failed else 1,
+            exit_code=exitcodes.EXIT_IO if num_transient == num_failed else code,
         )
+
+
+def _exit_code_of(error: BaseException) -> int | None:
+    """The exit code an error asks for: by errno for an OSError, else its `exit_code`."""
+    if isinstance(error, OSError):
+        return exitcodes.exit_for_os_error(error)
+    return getattr(error, "exit_code", None)
 
 
 def run_on_main(info: DistInfo, what: str, fn: Callable[[], None], per_node: bool = False) -> None:

@@ -46,6 +46,10 @@ PREEMPT_MARKER = "TRAIN_PREEMPT_MARKER"  # "checkpoint at step N" or "finished a
 NO_PROGRESS_MARKER = "TRAIN_NO_PROGRESS_MARKER"
 BAD_INPUT_MARKER = "TRAIN_BAD_INPUT_MARKER"
 DIVERGED_MARKER = "TRAIN_DIVERGED_MARKER"
+# scripts/supervise.py writes the name of a stop signal it received here, before it passes the
+# stop on: a worker's stop that the launcher did not see is torchrun's own SIGTERM to the
+# survivors of a failed worker, which no scheduler asked for (launch.Attempt)
+STOP_MARKER = "TRAIN_STOP_MARKER"
 IO_MARKER = "TRAIN_IO_MARKER"  # "I/O error N: ...": the launch's Nth attempt that ended in 74
 # Written by every rank that meets them: the first rank to exit makes torchrun stop the others.
 EVERY_RANK_MARKERS = (BAD_INPUT_MARKER, DIVERGED_MARKER, IO_MARKER)

@@ -168,8 +168,26 @@ class Attempt:
         if not info.is_main:
             return None
         attempt = cls(run_dir, lease)
-        preemption.on_stop(attempt.uncount)
+        preemption.on_stop(attempt.uncount_if_asked)
         return attempt
+
+    def uncount_if_asked(self, wait_s: float = 2.0) -> None:
+        """The preemption watcher's: uncount a stop that was asked for. torchrun also SIGTERMs
+        the survivors of a failed worker (and every worker of a node when another node's
+        restart opens a new round), which no scheduler asked for: a crash there must still
+        count. Under the launcher a stop asked for reached it too (its STOP_MARKER, written
+        within its poll); under torchrun without it the two look alike, and the step
+        boundary's agreement uncounts (a failed rank cannot agree)."""
+        marker = os.environ.get(exitcodes.STOP_MARKER)
+        if marker:
+            deadline = time.monotonic() + wait_s
+            while not _has_text(Path(marker)):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
+        elif os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+            return
+        self.uncount()
 
     def count(self, step: int, limit: int) -> None:
         with self._lock:
@@ -190,6 +208,13 @@ class Attempt:
                 rundir.uncount_attempt(self.run_dir)
 
 
+def _has_text(path: Path) -> bool:
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False
+
+
 def ends_in_transient_io(err: BaseException) -> bool:
     """Whether `err` ends the run with exit 74 (a network filesystem's hiccup)."""
     return isinstance(err, OSError) and exitcodes.exit_for_os_error(err) == exitcodes.EXIT_IO
@@ -203,8 +228,10 @@ def uncounted_if_transient_io(attempt: Attempt | None) -> Iterator[None]:
     (--max-restarts, MAX_REQUEUES) still bound them, with a back-off (`back_off_after_io`)."""
     try:
         yield
-    except OSError as err:
-        if attempt is not None and ends_in_transient_io(err):
+    except Exception as err:  # an OSError here, or another rank's (a PeerError that says 74)
+        if attempt is not None and (
+            ends_in_transient_io(err) or getattr(err, "exit_code", None) == exitcodes.EXIT_IO
+        ):
             attempt.uncount()
         raise
 

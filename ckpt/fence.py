@@ -5,7 +5,8 @@ the same job id included (a Slurm requeue while this copy still runs on a node c
 the controller), creates generation N + 1. The heartbeat sees that only every
 run.lease_timeout_s/4: a write or a deletion trusting its flag lands among the new holder's
 files, or removes the checkpoint it resumed from. So `check(path)` stats N + 1's file first
-(one stat: cheap beside any write) and raises `RunDirBusy` once it exists, for good.
+(one stat: cheap beside any write) and raises `RunDirBusy` once it exists, or once N's own
+file is gone (a successor that came and went), for good.
 
 The fence is held per process (`hold`): rank 0 holds its lease's, every other rank the same
 generation (their files of a sharded checkpoint), a checkpoint writer process the one of the
@@ -60,14 +61,21 @@ class Fence:
         return os.path.join(os.path.abspath(path), "").startswith(self._prefix)
 
     def check(self) -> None:
-        """Raise RunDirBusy once generation + 1 exists; an OSError when that cannot be told
-        (ESTALE, EIO: a failed look-up must never write)."""
+        """Raise RunDirBusy once generation + 1 exists, or this generation's own file is gone
+        (a successor that came and released the run dir removed it, and a later job may hold
+        generation 1 again); an OSError when that cannot be told (ESTALE, EIO: a failed
+        look-up must never write). One stat, two when the successor's is absent."""
         if not self.lost_to:
             try:
                 os.stat(self.successor)
             except FileNotFoundError:
-                return
-            self.lost_to = describe(_record(self.successor))
+                try:
+                    os.stat(RunPaths(self.root).lease(self.generation))
+                    return
+                except FileNotFoundError:
+                    self.lost_to = "a later job (its lease is released, and this job's is gone)"
+            else:
+                self.lost_to = describe(_record(self.successor))
         raise RunDirBusy(
             f"run.dir={self.root} was taken over by {self.lost_to}, which owns it now: "
             "stopping without writing anything more, so that the two jobs do not overwrite "

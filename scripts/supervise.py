@@ -46,6 +46,7 @@ from exitcodes import (  # noqa: E402
     LAUNCHER_STOP_SIGNALS,
     NO_PROGRESS_MARKER,
     PREEMPT_MARKER,
+    STOP_MARKER,
 )
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -169,6 +170,8 @@ class Supervisor:
             if self.stop_reason:
                 self.repeats += 1
             else:
+                with contextlib.suppress(OSError, KeyError):  # before the workers hear of it
+                    Path(os.environ[STOP_MARKER]).write_text(signal.Signals(signum).name)
                 self.request_stop(f"{describe(-signum).removeprefix('signal ')} received")
         if self.child is not None and self.status is None and not self.workers_seen:
             self.workers_seen = bool(children_of(self.child.pid))
@@ -374,6 +377,7 @@ def main(argv: list[str]) -> int:
         ("bad_input", BAD_INPUT_MARKER),
         ("diverged", DIVERGED_MARKER),
         ("io_error", IO_MARKER),
+        ("stop", STOP_MARKER),  # written by this process (step), not by the workers
     ):
         fd, path = tempfile.mkstemp(prefix=f"train-{name}.")
         os.close(fd)

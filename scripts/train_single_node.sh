@@ -5,7 +5,7 @@
 # core), a count >= 1, cpu (one per core), gpu or xpu (one per device: only where there are
 # some). TRAIN_SCRIPT (train.py) names your own entry point that ends in train.main().
 # SUPERVISE_GRACE_S (120) is the preemption budget: how long a stop signal leaves the workers
-# to write their checkpoint (scripts/supervise.py gives torchrun the same). JOB_ID: below.
+# to write their checkpoint (scripts/supervise.py gives torchrun the same). TRAIN_JOB_ID: below.
 set -euo pipefail
 EXIT_BAD_INPUT=2
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,12 +30,14 @@ case $NPROC_PER_NODE in
         "or xpu" ;;
 esac
 
-# JOB_ID names the job across launches (a container restarted by its runtime: see
+# TRAIN_JOB_ID names the job across launches (a container restarted by its runtime: see
 # scripts/container/job_id.sh), so that a launch after a hard kill takes its run dir's lease
 # back at once instead of being refused until it expires. Unset: a new id per launch
-# (--standalone), and a second launch on a run dir in use is refused.
-if [[ -n ${JOB_ID:-} ]]; then
-  rdzv=(--nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="$JOB_ID")
+# (--standalone), and a second launch on a run dir in use is refused. (Not JOB_ID: batch
+# systems such as Grid Engine set that for every job, and shells export it for
+# launch_multinode.sh; two launches sharing it would take the run dir from each other.)
+if [[ -n ${TRAIN_JOB_ID:-} ]]; then
+  rdzv=(--nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="$TRAIN_JOB_ID")
 else
   rdzv=(--standalone)
 fi

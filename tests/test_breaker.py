@@ -90,6 +90,24 @@ def test_preemptions_during_a_long_evaluation_checkpoint_at_once_and_never_end_t
     assert all(row["num_samples"] == 256 for row in rows(run_dir, "eval"))
 
 
+def test_a_crash_of_another_rank_while_rank_0_computes_still_counts(tmp_path) -> None:
+    """torchrun SIGTERMs the survivors of a failed worker (its monitor polls every 0.1 s). Rank 1
+    dies at step 1 of every attempt while rank 0 is outside any collective (a 3 s computation),
+    so rank 0 hears torchrun's SIGTERM before any error. Before the review's fix the watcher
+    uncounted every such attempt as a preemption and the crash loop never tripped (the
+    launcher ran through MAX_RESTARTS and exited 1); the launcher's own STOP_MARKER now tells a
+    stop asked for from torchrun's. Expected: exit 76 after run.max_attempts_without_progress."""
+    faults = ";".join(
+        f"sleep@step=1,rank=0,seconds=3,restart={k};sigkill@step=1,rank=1,restart={k}"
+        for k in range(6)
+    )
+    proc = run_launcher(
+        "launch_multinode.sh", tmp_path / "run", faults=faults, NPROC_PER_NODE="2", MAX_RESTARTS="5"
+    )
+    assert proc.returncode == exitcodes.EXIT_NO_PROGRESS, proc.output[-4000:]
+    assert "attempts in a row started from step 0" in proc.output
+
+
 def test_preemptions_during_a_save_longer_than_the_grace_are_not_counted(tmp_path) -> None:
     """Three preemptions in a row, each landing as the step-2 checkpoint starts, a save that
     takes 60 s: the supervisor SIGKILLs the worker mid-save each time (nothing is saved).

@@ -259,3 +259,25 @@ def test_ranks_that_load_different_weights_all_stop_naming_them(tmp_path) -> Non
     assert len(set(messages)) == 1 and messages[0] is not None
     assert "model.weights=w.pt gave the ranks different weights (ranks 0,2: sha256" in messages[0]
     assert "; ranks 1: sha256" in messages[0]
+
+
+def _fail_on_rank_1(info: DistInfo, errno_name: str) -> tuple[str, int | None]:
+    import errno
+
+    error = OSError(getattr(errno, errno_name), "the sample file") if info.rank == 1 else None
+    try:
+        distributed.raise_if_any_failed(info, error, "reading the batch")
+    except distributed.PeerError as err:
+        return "peer", err.exit_code
+    except OSError:
+        return "own", None
+    return "none", None
+
+
+@pytest.mark.spawn
+def test_another_ranks_transient_io_reaches_rank_0_as_74(tmp_path) -> None:
+    """Before the review's fix every other rank's failure reached rank 0 as exit 1 (2 for bad
+    input), so rank 1's ESTALE counted toward the crash-loop breaker; now as 74 when every
+    failing rank met transient I/O (and launch.uncounted_if_transient_io leaves it uncounted)."""
+    assert run_ranks(_fail_on_rank_1, 2, tmp_path, "ESTALE") == [("peer", 74), ("own", None)]
+    assert run_ranks(_fail_on_rank_1, 2, tmp_path, "ENOENT") == [("peer", 2), ("own", None)]

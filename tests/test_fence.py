@@ -209,6 +209,7 @@ def test_a_write_is_not_finished_once_the_run_dir_is_taken_over_meanwhile(tmp_pa
     (its temporary file stays, for the new holder's next save to remove)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / "lease.1.json").write_text('{"job": "slurm-5", "generation": 1}')  # this job's
     fence.hold(fence.Fence(run_dir, 1))
     try:
 
@@ -234,6 +235,7 @@ def test_a_ranks_shard_is_not_written_in_a_run_dir_taken_over(tmp_path) -> None:
     run_dir = tmp_path / "run"
     folder = run_dir / "checkpoints" / "step_3"
     folder.mkdir(parents=True)
+    (run_dir / "lease.1.json").write_text('{"job": "slurm-5", "generation": 1}')  # this job's
     (run_dir / "lease.2.json").write_text('{"job": "slurm-6", "generation": 2}')
     payload = {"tensors": {"/model/w": torch.ones(2)}, "rows": {"/model/w": [0, 2]}}
     plan = sharded.ShardedSave(folder, 3, {"mine": (folder / "rank_1.ab12.pt", payload)})
@@ -281,3 +283,26 @@ def test_a_heartbeat_from_the_future_is_named_as_clock_skew() -> None:
     holder = {"job": "j", "host": "h", "pid": 1, "generation": 2, "heartbeat": 1100.0}
     assert fence.describe(holder, now=1000.0).endswith("heartbeat 100 s in the future: clock skew)")
     assert fence.describe(holder, now=1130.0).endswith("heartbeat 30 s ago)")
+
+
+def test_a_successor_that_came_and_released_the_run_dir_still_fences_the_old_copy(
+    tmp_path,
+) -> None:
+    """Generation 2 took over and released the run dir, removing every generation up to its
+    own (ckpt/rundir.py, Lease.release): no lease.2.json is left to stop the old copy, and a
+    fresh job may hold generation 1 again. Before the review's fix the check passed here, and
+    the old copy wrote until its heartbeat saw its own file gone; now its own file's absence
+    stops it at once (the writer process and the other ranks have no heartbeat at all)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mine = run_dir / "lease.1.json"
+    mine.write_text('{"job": "slurm-5", "generation": 1}')
+    fence.hold(fence.Fence(run_dir, 1))
+    try:
+        atomic.write_bytes(run_dir / "progress.json", lambda f: f.write(b"{}"))  # still held
+        mine.unlink()  # generation 2 came, and released the run dir
+        with pytest.raises(rundir.RunDirBusy, match="its lease is released"):
+            atomic.write_bytes(run_dir / "progress.json", lambda f: f.write(b"[]"))
+    finally:
+        fence.hold(None)
+    assert (run_dir / "progress.json").read_bytes() == b"{}"

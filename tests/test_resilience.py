@@ -133,3 +133,23 @@ def test_on_stop_runs_once_on_the_watcher_thread_as_the_signal_arrives() -> None
     handler.on_stop(lambda: late.append(1))
     assert late == [1]
     assert signal.set_wakeup_fd(-1) == -1  # restored: no wakeup fd left behind
+
+
+def test_an_attempt_ended_by_another_ranks_transient_io_is_not_counted(tmp_path) -> None:
+    """Rank 0 meets rank 1's ESTALE as a PeerError saying 74: before the review's fix only
+    rank 0's own OSError left the attempt uncounted."""
+    import json
+
+    import distributed
+    import launch
+
+    attempt = launch.Attempt(tmp_path, None)
+    attempt.count(0, 3)
+    with pytest.raises(distributed.PeerError), launch.uncounted_if_transient_io(attempt):
+        raise distributed.PeerError("reading the batch failed on 1 other rank(s)", exit_code=74)
+    assert json.loads((tmp_path / "progress.json").read_text())["attempts"] == 0
+    crashed = launch.Attempt(tmp_path, None)
+    crashed.count(0, 3)
+    with pytest.raises(distributed.PeerError), launch.uncounted_if_transient_io(crashed):
+        raise distributed.PeerError("step 4 failed on 1 other rank(s)", exit_code=1)
+    assert json.loads((tmp_path / "progress.json").read_text())["attempts"] == 1

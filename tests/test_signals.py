@@ -508,11 +508,17 @@ def test_a_launch_with_the_same_job_id_takes_its_run_dir_back_after_a_hard_kill(
     """A container killed outright (SIGKILL to every process: the OOM killer, `docker kill`)
     and restarted at once by its runtime. Before, the default launcher's torchrun --standalone
     drew a new job id per launch, so the restart found the old lease alive and exited 2 ("bad
-    input") until it expired (run.lease_timeout_s, 120 s by default). With JOB_ID (the
+    input") until it expired (run.lease_timeout_s, 120 s by default). With TRAIN_JOB_ID (the
     container's entry point sets it from scripts/container/job_id.sh) it takes the run dir
-    back and continues; without one, a second launch on a run dir in use is still refused."""
+    back and continues; without one, a second launch on a run dir in use is still refused.
+    (TRAIN_JOB_ID, not JOB_ID, which Grid Engine sets for every job: the review's finding.)"""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "1", "JOB_ID": "container-1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "NPROC_PER_NODE": "1",
+        "TRAIN_JOB_ID": "container-1",
+    }
     job = tiny_job_args(run_dir, train_max_steps=STEPS, log_every_steps=1, ckpt_every_steps=5)
     # Each launch in a PID namespace of its own, as each container start is: a holder there
     # cannot be seen to be dead from here, so its lease stands until it expires (on one
@@ -529,7 +535,7 @@ def test_a_launch_with_the_same_job_id_takes_its_run_dir_back_after_a_hard_kill(
             os.kill(pid, signal.SIGKILL)
     first.wait(timeout=30)
     time.sleep(1)  # the kill lands on every process; the lease stays, its heartbeat fresh
-    anonymous = {key: value for key, value in env.items() if key != "JOB_ID"}
+    anonymous = {key: value for key, value in env.items() if key != "TRAIN_JOB_ID"}
     refused = subprocess.run(
         command, cwd=REPO, env=anonymous, capture_output=True, text=True, timeout=120
     )

@@ -19,6 +19,6 @@ for arg in "$@"; do
   [[ $arg == --run.dir=* || $arg == --run.dir ]] && run_dir=()
 done
 # The container's own id (kept by its restarts): a restart after a hard kill resumes at once.
-JOB_ID=${JOB_ID:-$(bash scripts/container/job_id.sh)}
-export JOB_ID
+TRAIN_JOB_ID=${TRAIN_JOB_ID:-$(bash scripts/container/job_id.sh)}
+export TRAIN_JOB_ID
 exec bash scripts/train_single_node.sh --config configs/fashion_mnist.toml "${run_dir[@]}" "$@"
