@@ -5,7 +5,7 @@ or TOML files (`--config FILE.toml`, the same dotted keys as tables; several fil
 Precedence: command line > files > defaults. Parsing is tyro's (help from the attribute
 docstrings in config.py); lists are comma-separated and booleans are true/false. An unknown key
 is named with the nearest known one (`nearest_key`), every value is checked in `__post_init__`,
-and a setting that this run would ignore is refused (`check_given`), all before any process
+and a setting that this run would ignore is refused (scopes.py), all before any process
 group exists, so a typo costs seconds instead of a queued multi-node job.
 """
 
@@ -21,7 +21,6 @@ import sys
 import tomllib
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,7 +28,8 @@ import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 import exitcodes
-from config import MINI_RESNET, NO_SIGNALS, SHARDED_STRATEGIES, Config, ConfigError
+from config import NO_SIGNALS, Config, ConfigError
+from scopes import check_given, ignored_here, replaced
 
 KWARGS_KEYS = ("model.kwargs", "data.kwargs")  # JSON objects, or TOML tables in a file
 
@@ -328,173 +328,6 @@ def _file_args(config_files: list[str]) -> tuple[list[str], dict[str, str]]:
 _NOT_EMPTY = {"run.preempt_signals": f"write {NO_SIGNALS} for no preemption checkpoint"}
 
 
-@dataclass(frozen=True)
-class _Scope:
-    """Fields that only some runs use: `keys` do something only where `applies(cfg)` (which
-    `users` describes); `chosen(cfg)` names what this run chose instead."""
-
-    keys: tuple[str, ...]
-    users: str
-    applies: Callable[[Config], bool]
-    chosen: Callable[[Config], str]
-    # The key whose value made the choice, where a later source may override an earlier one:
-    # refused only when both come from one source; otherwise the earlier value is said to be
-    # replaced (`notices`), as a command line over a recipe file does (configs/*.toml).
-    chooser: str | None = None
-
-
-def _data(cfg: Config) -> str:
-    return cfg.data.source
-
-
-def _dataset_is(*names: str) -> Callable[[Config], bool]:
-    return lambda cfg: cfg.data.source in {f"data.dataset={name}" for name in names}
-
-
-_TORCHVISION_DATASETS = ("fashion_mnist", "cifar10")
-_SCOPES = (
-    _Scope(("data.dataset",), "a run without data.factory", lambda c: not c.data.factory, _data),
-    _Scope(
-        ("model.name",),
-        "a run without model.factory",
-        lambda c: not c.model.factory,
-        lambda c: c.model.source,
-    ),
-    _Scope(
-        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.bad_images", "data.decode"),
-        "data.dataset=imagefolder",
-        _dataset_is("imagefolder"),
-        _data,
-    ),
-    _Scope(  # an image folder crops with RandomResizedCrop (data.crop_scale) instead
-        ("data.crop_padding",),
-        "datasets other than imagefolder",
-        lambda c: not _dataset_is("imagefolder")(c),
-        _data,
-    ),
-    _Scope(
-        tuple(key for key in field_types() if key.startswith("data.synthetic_")),
-        "data.dataset=synthetic",
-        _dataset_is("synthetic"),
-        _data,
-    ),
-    _Scope(
-        ("data.download",),
-        " and ".join(f"data.dataset={name}" for name in _TORCHVISION_DATASETS),
-        _dataset_is(*_TORCHVISION_DATASETS),
-        _data,
-    ),
-    _Scope(
-        (
-            "dist.bucket_cap_mb",
-            "dist.gradient_as_bucket_view",
-            "dist.static_graph",
-            "dist.find_unused_parameters",
-            "dist.grad_compression",
-        ),
-        "dist.strategy=ddp and zero (DistributedDataParallel)",
-        lambda c: c.dist.strategy in ("ddp", "zero"),
-        lambda c: f"dist.strategy={c.dist.strategy}",
-    ),
-    _Scope(
-        ("dist.fsdp_units", "dist.reshard_after_forward"),
-        "dist.strategy=fsdp and hybrid",
-        lambda c: c.dist.strategy in SHARDED_STRATEGIES,
-        lambda c: f"dist.strategy={c.dist.strategy}",
-    ),
-    _Scope(
-        ("data.batch_size",),
-        "runs without data.global_batch_size (which derives data.batch_size)",
-        lambda c: c.data.global_batch_size == 0,
-        lambda c: f"data.global_batch_size={c.data.global_batch_size}",
-        "data.global_batch_size",
-    ),
-    _Scope(
-        ("data.prefetch_factor",),
-        "DataLoader worker processes (data.num_workers > 0)",
-        lambda c: c.data.num_workers > 0,
-        lambda c: f"data.num_workers={c.data.num_workers}",
-        "data.num_workers",
-    ),
-    _Scope(
-        ("optim.betas",),
-        "optim.name=adamw",
-        lambda c: c.optim.name == "adamw",
-        lambda c: f"optim.name={c.optim.name}",
-    ),
-    _Scope(
-        ("optim.momentum", "optim.nesterov"),
-        "optim.name=sgd",
-        lambda c: c.optim.name == "sgd",
-        lambda c: f"optim.name={c.optim.name}",
-    ),
-    _Scope(
-        ("model.widths", "model.blocks_per_stage", "model.stem_stride", "model.dropout"),
-        f"model.name={MINI_RESNET}",
-        lambda c: c.model.source == f"model.name={MINI_RESNET}",
-        lambda c: c.model.source,
-    ),
-)
-
-
-def check_given(cfg: Config, given: dict[str, str], origin: dict[str, str]) -> None:
-    """Refuse each setting given explicitly (`given`: key -> value as typed) that this run
-    would accept and then ignore, naming it, where it came from and what ignores it. Given
-    explicitly, not merely different from its default: `--model.name=mini_resnet` beside
-    model.factory is ignored just the same."""
-    problems = []
-    for scope in _SCOPES:
-        ignored = [key for key in scope.keys if key in given]
-        ignored = [key for key in ignored if not _across_sources(scope, key, origin)]
-        if not ignored or scope.applies(cfg):
-            continue
-        settings = ", ".join(
-            f"{origin[key] + ': ' if key in origin else ''}{key}={given[key]}" for key in ignored
-        )
-        verb, fix = ("is", "remove one of the two") if len(ignored) == 1 else ("are", "remove them")
-        problems.append(
-            f"{settings} {verb} for {scope.users} only, and this run has {scope.chosen(cfg)}: {fix}"
-        )
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-# Settings that do nothing where a run happens to land (one process; a CPU): the same config
-# file may serve runs at every scale, so these are said at start rather than refused.
-_DDP_KNOBS = ("dist.bucket_cap_mb", "dist.gradient_as_bucket_view", "dist.static_graph")
-_DDP_KNOBS += ("dist.find_unused_parameters",)
-_WHERE_IGNORED = (
-    (_DDP_KNOBS + ("dist.grad_compression",), "at world size 1 (no DistributedDataParallel)"),
-    (("train.cuda_fast_math",), "on a CPU (cuDNN and TF32 are CUDA's)"),
-)
-
-
-def ignored_here(given: dict[str, str], world_size: int, device_type: str) -> list[str]:
-    """One line per explicitly given setting that this process's placement makes a no-op."""
-    lines = []
-    for keys, where in _WHERE_IGNORED:
-        applies = world_size == 1 if keys[0].startswith("dist.") else device_type == "cpu"
-        named = [f"{key}={given[key]}" for key in keys if key in given]
-        if applies and named:
-            lines.append(
-                f"{', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect "
-                f"{where}: ignored"
-            )
-    return lines
-
-
-def notices(cfg: Config, argv: list[str], world_size: int, device_type: str) -> list[str]:
-    """What train.py says at start about settings given and ignored: `replaced` ones, then
-    those this process's placement ignores (`ignored_here`)."""
-    return [*replaced(cfg, argv), *ignored_here(given_settings(argv), world_size, device_type)]
-
-
-def _across_sources(scope: _Scope, key: str, origin: dict[str, str]) -> bool:
-    """Whether `key` and the scope's chooser come from different sources (origin: key -> the
-    file it came from; a key the command line gave has none)."""
-    return scope.chooser is not None and origin.get(key) != origin.get(scope.chooser)
-
-
 def given_settings(argv: list[str]) -> dict[str, str]:
     """key -> value as typed, of every setting the command line or its --config files give."""
     return _given_and_origin(argv)[0]
@@ -508,19 +341,11 @@ def _given_and_origin(argv: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     return given, {key: source for key, source in origin.items() if key not in cli}
 
 
-def replaced(cfg: Config, argv: list[str]) -> list[str]:
-    """One line per setting of one source that another source's choice makes a no-op (a
-    recipe file's data.batch_size under the command line's data.global_batch_size)."""
+def notices(cfg: Config, argv: list[str], world_size: int, device_type: str) -> list[str]:
+    """What train.py says at start about settings given and ignored (scopes.py): a file's
+    setting another source's choice replaces, then those this process's placement ignores."""
     given, origin = _given_and_origin(argv)
-    lines = []
-    for scope in _SCOPES:
-        for key in scope.keys:
-            if key in given and _across_sources(scope, key, origin) and not scope.applies(cfg):
-                where = f"{origin[key]}: " if key in origin else ""
-                lines.append(
-                    f"{where}{key}={given[key]} has no effect: this run has {scope.chosen(cfg)}"
-                )
-    return lines
+    return [*replaced(cfg, given, origin), *ignored_here(given, world_size, device_type)]
 
 
 def _check_not_empty(given: dict[str, str], origin: dict[str, str]) -> None:

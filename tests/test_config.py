@@ -517,7 +517,7 @@ def test_a_recipe_files_setting_overridden_from_the_command_line_is_said_not_ref
     toml.write_text("[data]\nbatch_size = 64\nprefetch_factor = 4\n")
     argv = [f"--config={toml}", "--data.num_workers=0", "--data.global_batch_size=128"]
     cfg = parse_args(argv)
-    assert cli.replaced(cfg, argv) == [
+    assert cli.notices(cfg, argv, 2, "cuda") == [
         f"config file '{toml}': data.batch_size=64 has no effect: this run has "
         "data.global_batch_size=128",
         f"config file '{toml}': data.prefetch_factor=4 has no effect: this run has "
