@@ -399,11 +399,14 @@ def tied_groups(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Module
             i = group[i]
         return i
 
-    dropped = {i for held in holders.values() if -1 in held for i in held if i >= 0}
     for held in holders.values():
         tied = sorted(held - {-1})
         for i in tied[1:]:
             group[find(i)] = find(tied[0])
+    # A unit sharing a parameter with the root goes to the root, and so does every unit tied
+    # to it (wrapped alone, such a unit would hold a parameter of the root's: overlapping).
+    to_root = {find(i) for held in holders.values() if -1 in held for i in held if i >= 0}
+    dropped = {i for i in range(len(units)) if find(i) in to_root}
     groups: dict[int, list[nn.Module]] = {}
     for i, unit in enumerate(units):
         if i not in dropped:

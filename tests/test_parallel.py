@@ -145,3 +145,20 @@ def test_a_0_dim_parameter_under_fsdp_is_refused_by_name(tmp_path) -> None:
     assert "[rank0]: Traceback" not in refused.output
     trained = _run(tmp_path, "ddp", "temperature")
     assert trained.returncode == 0, trained.output[-4000:]
+
+
+def test_a_unit_tied_to_a_unit_tied_to_the_root_goes_to_the_root_too() -> None:
+    """Blocks 0 and 1 share a weight, and block 1 shares another with the head (the root's).
+    Before the review's fix block 1 went to the root while block 0 was still wrapped alone,
+    holding block 1's tied weight: fully_shard's overlapping groups again."""
+    from torch import nn
+
+    import parallel
+
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(3))
+    blocks[1][0].weight = blocks[0][0].weight
+    head = nn.Linear(4, 4)
+    head.weight = blocks[1][1].weight
+    model = nn.ModuleDict({"blocks": blocks, "head": head})
+    groups = parallel.tied_groups(model, list(blocks))
+    assert groups == [[blocks[2]]]  # blocks 0 and 1 are the root's
