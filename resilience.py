@@ -157,8 +157,9 @@ class PreemptionHandler:
             os.close(self._pipe[1])  # the watcher reads the end of the pipe and returns
             if self._watcher is not None:
                 self._watcher.join(timeout=5)
-            os.close(self._pipe[0])
-            self._pipe = self._watcher = None
+            if self._watcher is None or not self._watcher.is_alive():
+                os.close(self._pipe[0])  # still in a callback (a hung NFS): left open, or its
+            self._pipe = self._watcher = None  # next read could take a reused fd's bytes
 
 
 # ---------------------------------------------------------------------------------------------
