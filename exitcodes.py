@@ -50,7 +50,7 @@ DIVERGED_MARKER = "TRAIN_DIVERGED_MARKER"
 # stop on: a worker's stop that the launcher did not see is torchrun's own SIGTERM to the
 # survivors of a failed worker, which no scheduler asked for (launch.Attempt)
 STOP_MARKER = "TRAIN_STOP_MARKER"
-IO_MARKER = "TRAIN_IO_MARKER"  # "I/O error N: ...": the launch's Nth attempt that ended in 74
+IO_MARKER = "TRAIN_IO_MARKER"  # "I/O error at restarts 0,2: ...": attempts that ended in 74
 # Written by every rank that meets them: the first rank to exit makes torchrun stop the others.
 EVERY_RANK_MARKERS = (BAD_INPUT_MARKER, DIVERGED_MARKER, IO_MARKER)
 

@@ -236,14 +236,22 @@ def uncounted_if_transient_io(attempt: Attempt | None) -> Iterator[None]:
         raise
 
 
-def io_failures_so_far() -> int:
-    """How many attempts of this launch ended in transient I/O (the launcher's marker)."""
+def io_failed_restarts() -> set[int]:
+    """The attempts of this launch (torchrun's restart numbers) that ended in transient I/O,
+    from the launcher's marker: "I/O error at restarts 0,2: ...". By attempt, not by report:
+    every rank that meets the error reports it."""
     marker = os.environ.get(exitcodes.IO_MARKER)
     try:
-        words = Path(marker).read_text().split(":")[0].split() if marker else []
+        head = Path(marker).read_text().split(":")[0] if marker else ""
     except OSError:
-        return 0
-    return int(words[-1]) if len(words) == 3 and words[-1].isdigit() else 0
+        return set()
+    listed = head.removeprefix("I/O error at restarts ").split(",")
+    return {int(word) for word in listed if word.strip().isdigit()}
+
+
+def io_failures_so_far() -> int:
+    """How many attempts of this launch ended in transient I/O."""
+    return len(io_failed_restarts())
 
 
 def back_off_after_io(info: DistInfo, stopped: Callable[[], bool]) -> None:
@@ -349,8 +357,11 @@ def exit_code(err: Exception, batch_size: int) -> int | None:
         if code == exitcodes.EXIT_BAD_INPUT:
             exitcodes.report_to_launcher(exitcodes.BAD_INPUT_MARKER, f"bad input: {err}")
         else:  # the launcher exits 74 if torchrun's restarts end this way (and backs off)
-            failures = io_failures_so_far() + 1
-            exitcodes.report_to_launcher(exitcodes.IO_MARKER, f"I/O error {failures}: {err}")
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            restarts = ",".join(map(str, sorted(io_failed_restarts() | {restart})))
+            exitcodes.report_to_launcher(
+                exitcodes.IO_MARKER, f"I/O error at restarts {restarts}: {err}"
+            )
         return code
     if isinstance(err, (ConfigError, CheckpointError, data.DatasetNotFoundError)):
         log.error("%s", err)  # a clear message instead of a traceback; every rank exits

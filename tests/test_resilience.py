@@ -153,3 +153,22 @@ def test_an_attempt_ended_by_another_ranks_transient_io_is_not_counted(tmp_path)
     with pytest.raises(distributed.PeerError), launch.uncounted_if_transient_io(crashed):
         raise distributed.PeerError("step 4 failed on 1 other rank(s)", exit_code=1)
     assert json.loads((tmp_path / "progress.json").read_text())["attempts"] == 1
+
+
+def test_the_io_marker_counts_attempts_not_reports(tmp_path, monkeypatch) -> None:
+    """Every rank that meets transient I/O reports it: before the review's fix each report
+    added one, so two ranks of one attempt counted two and the back-off doubled too fast."""
+    import errno
+
+    import launch
+
+    marker = tmp_path / "io"
+    marker.write_text("")
+    monkeypatch.setenv("TRAIN_IO_MARKER", str(marker))
+    stale = OSError(errno.ESTALE, "Stale file handle")
+    for restart, rank in ((0, 0), (0, 1), (2, 1)):  # two ranks of attempt 0, one of attempt 2
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert launch.exit_code(stale, 32) == 74
+    assert launch.io_failed_restarts() == {0, 2}
+    assert launch.io_failures_so_far() == 2
