@@ -19,18 +19,25 @@ CPU = torch.device("cpu")
 ONE = DistInfo(0, 0, 1, CPU)
 
 
+def one_rank(cfg: LogConfig, run_dir: Path) -> tuple[Instruments, RunPaths, parts.Position]:
+    """Instruments of one process without a Config: the log section, the run dir's paths, the
+    resolved autos (CPU, no compile), a fixed lr of 0.25 and a 600 s stall timeout."""
+    paths, position = RunPaths(run_dir), parts.Position()
+    settings = auto.Auto("none", None, False, False, "foreach", "plain", "none", False, "file")
+    writer = MetricsWriter(run_dir, True, cfg.tensorboard)
+    layout = Layout("ddp", shards=False, world_size=1)
+    instruments = Instruments(
+        cfg, ONE, None, layout, settings, writer, position, lambda: 0.25, paths, 0, 600.0
+    )
+    return instruments, paths, position
+
+
 def test_instruments_work_from_the_log_section_and_the_facts_they_are_given(tmp_path) -> None:
     """No Config: log.* (a row every 2 steps, a profile of steps 1-2), the run dir's paths,
     the resolved autos and the stall timeout. Two steps of 8 samples (loss 0.5 and 1.5 per
     sample, 4 and 6 correct) give one row averaging them, and a trace under the profile dir."""
     cfg = LogConfig(every_steps=2, profile_steps=(1, 3), tensorboard=False)
-    paths, position = RunPaths(tmp_path), parts.Position()
-    settings = auto.Auto("none", None, False, False, "foreach", "plain", "none", False, "file")
-    writer = MetricsWriter(tmp_path, True, cfg.tensorboard)
-    layout = Layout("ddp", shards=False, world_size=1)
-    instruments = Instruments(
-        cfg, ONE, None, layout, settings, writer, position, lambda: 0.25, paths, 0, 600.0
-    )
+    instruments, paths, position = one_rank(cfg, tmp_path)
     assert instruments.watchdog.timeout_s == 600.0
     instruments.open(resume_step=0, pending_eval=False)
     with instruments.running(total_steps=2):
@@ -53,13 +60,7 @@ def test_instruments_work_from_the_log_section_and_the_facts_they_are_given(tmp_
 def test_a_profile_window_outside_the_run_is_said(tmp_path, caplog) -> None:
     """Before, log.profile_steps=5,8 on a run of 2 steps recorded nothing without a word."""
     cfg = LogConfig(every_steps=1, profile_steps=(5, 8), tensorboard=False)
-    paths, position = RunPaths(tmp_path), parts.Position()
-    settings = auto.Auto("none", None, False, False, "foreach", "plain", "none", False, "file")
-    writer = MetricsWriter(tmp_path, True, cfg.tensorboard)
-    layout = Layout("ddp", shards=False, world_size=1)
-    instruments = Instruments(
-        cfg, ONE, None, layout, settings, writer, position, lambda: 0.25, paths, 0, 600.0
-    )
+    instruments, paths, position = one_rank(cfg, tmp_path)
     instruments.open(resume_step=0, pending_eval=False)
     with caplog.at_level("WARNING"), instruments.running(total_steps=2):
         pass

@@ -27,6 +27,22 @@ from config import ConfigError
 CPU = torch.device("cpu")
 
 
+def save_collectively(state: dict, directory: Path, step: int, info) -> None:
+    """sharded.save_sharded as the manager calls it at 2 ranks (keep 2, no accuracy)."""
+    import distributed
+
+    sharded.save_sharded(
+        state,
+        directory,
+        step,
+        2,
+        None,
+        info.rank,
+        gather=distributed.all_gather_object,
+        agree=lambda error, what: distributed.raise_if_any_failed(info, error, what),
+    )
+
+
 def alone(error: BaseException | None, what: str) -> None:
     """raise_if_any_failed for a world of one."""
     if error is not None:
@@ -188,7 +204,6 @@ def _two_ranks(info, directory: str) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    import distributed
     import parallel
     from config import DistConfig
 
@@ -201,16 +216,7 @@ def _two_ranks(info, directory: str) -> dict:
         "extra": {"replicated": replicated, "mine": torch.full((2,), float(info.rank))},
         "step": 4,
     }
-    sharded.save_sharded(
-        state,
-        Path(directory),
-        4,
-        2,
-        None,
-        info.rank,
-        gather=distributed.all_gather_object,
-        agree=lambda error, what: distributed.raise_if_any_failed(info, error, what),
-    )
+    save_collectively(state, Path(directory), 4, info)
     whole = {key: value.full_tensor() for key, value in par.bare.state_dict().items()}
     sizes = {p.name: p.stat().st_size for p in (Path(directory) / "step_4").iterdir()}
     dist.barrier()
@@ -407,7 +413,6 @@ def _save_big(info, directory: str) -> None:
     """A 2-rank fsdp model of 32 MB, its AdamW state after one step, saved sharded."""
     from torch import nn
 
-    import distributed
     import parallel
     from ckpt import parts
     from config import DistConfig
@@ -423,16 +428,7 @@ def _save_big(info, directory: str) -> None:
         "optimizer": parts.OptimizerState(optimizer).sharded_state_dict(),
         "step": 1,
     }
-    sharded.save_sharded(
-        state,
-        Path(directory),
-        1,
-        2,
-        None,
-        info.rank,
-        gather=distributed.all_gather_object,
-        agree=lambda error, what: distributed.raise_if_any_failed(info, error, what),
-    )
+    save_collectively(state, Path(directory), 1, info)
 
 
 def _resume_big(info, folder: str) -> dict:
