@@ -9,117 +9,63 @@ command line and TOML files into these dataclasses.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
-import importlib
 import json
-import math
 import os
 import re
 import signal
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import exitcodes
-
-
-class ConfigError(ValueError):
-    """A bad key, type or value in the configuration; the message says which and how to fix it."""
-
-
-def finite(x: float) -> float:
-    """`x`, or NaN when it is not finite: then every comparison in a check fails."""
-    return x if math.isfinite(x) else math.nan
-
-
-def image_shape(shape: tuple[int, ...]) -> bool:
-    return len(shape) == 3 and min(shape) >= 1 and min(shape[1:]) >= 8
-
-
-FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
-FACTORY_FIX = "write package.module:function"
-RESERVED_KWARGS = {"model.kwargs": ("in_channels", "num_classes"), "data.kwargs": ("root",)}
-
-
-def json_object(text: str) -> dict[str, Any] | None:
-    """`text` as a JSON object, or None when it is not one."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def load_factory(key: str, spec: str) -> Callable[..., Any]:
-    """The function `package.module:function` names (config key `key`), imported from the
-    current directory or PYTHONPATH; a ConfigError naming the module, function and error."""
-    module_name, _, function_name = spec.partition(":")
-    if os.getcwd() not in sys.path:  # `python train.py` puts the script's folder there, not .
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # ImportError, or any error the module raises while importing
-        raise ConfigError(
-            f"{key}={spec}: cannot import module {module_name!r} "
-            f"({type(err).__name__}: {err}); it must be importable from the current "
-            "directory or PYTHONPATH"
-        ) from None
-    target: Any = module
-    for part in function_name.split("."):
-        target = getattr(target, part, None)
-    if not callable(target):
-        names = [name for name in dir(module) if callable(getattr(module, name, None))]
-        near = difflib.get_close_matches(function_name, names, n=1)
-        hint = f"; did you mean {module_name}:{near[0]}?" if near else ""
-        raise ConfigError(
-            f"{key}={spec}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
-            f"function {function_name!r}{hint}"
-        )
-    return target
-
-
-MINI_RESNET = "mini_resnet"
-# The label of a sample that is in the batch but not counted (an unreadable image skipped by
-# data.bad_images=skip, or a factory's own): cross-entropy's default ignore_index, so its loss
-# and gradient are 0.
-IGNORED = -100
-# dist.strategy values that shard parameters (FSDP2): parallel.py
-SHARDED_STRATEGIES = ("fsdp", "hybrid")
-NO_SIGNALS = "none"  # run.preempt_signals=none: no preemption checkpoint
-SIGNAL_NAMES = (
-    "use signal names such as SIGTERM,SIGUSR2 (SIGKILL and SIGSTOP cannot be caught), or none "
-    "alone for no preemption checkpoint"
+from recipe import OptimConfig
+from schema import (  # re-exported: the rest of the pipeline imports them from here
+    FACTORY,
+    FACTORY_FIX,
+    IGNORED,
+    MINI_RESNET,
+    NO_SIGNALS,
+    RESERVED_KWARGS,
+    SHARDED_STRATEGIES,
+    SIGNAL_NAMES,
+    ConfigError,
+    Section,
+    finite,
+    image_shape,
+    json_object,
+    load_factory,
 )
 
-
-class _Section:
-    """A config section: `_require` states one check per line."""
-
-    _name: ClassVar[str]
-
-    def _require(self, field_name: str, ok: bool, fix: str) -> None:
-        if not ok:
-            value = getattr(self, field_name)
-            raise ConfigError(f"invalid value for {self._name}.{field_name}: {value!r} ({fix})")
-
-    def _require_factory(self) -> None:
-        """factory is empty or package.module:function; kwargs is a JSON object without the
-        keywords the pipeline passes itself. kwargs is stored in one canonical spelling."""
-        factory: str = self.factory  # type: ignore[attr-defined]
-        self._require("factory", not factory or bool(FACTORY.fullmatch(factory)), FACTORY_FIX)
-        kwargs = json_object(self.kwargs.strip() or "{}")  # type: ignore[attr-defined]
-        self._require("kwargs", kwargs is not None, 'give a JSON object such as {"depth": 4}')
-        assert kwargs is not None
-        reserved = RESERVED_KWARGS[f"{self._name}.kwargs"]
-        taken = sorted(set(kwargs) & set(reserved))
-        self._require("kwargs", not taken, f"{', '.join(taken)} is passed by the pipeline")
-        object.__setattr__(self, "kwargs", json.dumps(kwargs, sort_keys=True))
+__all__ = [
+    "FACTORY",
+    "FACTORY_FIX",
+    "IGNORED",
+    "MINI_RESNET",
+    "NO_SIGNALS",
+    "RESERVED_KWARGS",
+    "SHARDED_STRATEGIES",
+    "SIGNAL_NAMES",
+    "CkptConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistConfig",
+    "LogConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "TrainConfig",
+    "finite",
+    "for_world_size",
+    "global_batch_size",
+    "image_shape",
+    "json_object",
+    "load_factory",
+]
 
 
 @dataclass(frozen=True)
-class RunConfig(_Section):
+class RunConfig(Section):
     """Where the run writes, and how it survives preemption and restarts."""
 
     _name: ClassVar[str] = "run"
@@ -156,7 +102,7 @@ class RunConfig(_Section):
 
 
 @dataclass(frozen=True)
-class DataConfig(_Section):
+class DataConfig(Section):
     """The dataset, how it is sharded into batches, and how it is loaded."""
 
     _name: ClassVar[str] = "data"
@@ -286,7 +232,7 @@ class DataConfig(_Section):
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The network, its initial weights and its memory layout."""
 
     _name: ClassVar[str] = "model"
@@ -368,54 +314,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 @dataclass(frozen=True)
-class OptimConfig(_Section):
-    """The optimizer, its learning-rate schedule, clipping and the loss."""
-
-    _name: ClassVar[str] = "optim"
-
-    name: Literal["sgd", "adamw"] = "sgd"
-    """optimizer: sgd (momentum, Nesterov) or adamw"""
-    lr: float = 0.2
-    """peak learning rate, reached after warmup; tuned for the default
-    global batch of 256, scale it linearly when you change the global
-    batch"""
-    momentum: float = 0.9
-    """SGD momentum"""
-    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
-    """optimizer kernels: fused (one kernel, CUDA), foreach (one kernel per
-    op over all tensors), loop (per tensor); auto = fused on CUDA,
-    foreach otherwise"""
-    nesterov: bool = True
-    """SGD Nesterov momentum"""
-    betas: tuple[float, ...] = (0.9, 0.999)
-    """AdamW betas"""
-    weight_decay: float = 5e-4
-    """decoupled (AdamW) or L2 (SGD) weight decay of conv/linear weights
-    (not norms, biases)"""
-    warmup_steps: int = 100
-    """optimizer steps of linear warmup from 0 to optim.lr (at most a
-    quarter of the run: a shorter run warms up over its first quarter)"""
-    min_lr_ratio: float = 0.0
-    """cosine decay ends at optim.lr x min_lr_ratio on the last step"""
-    grad_clip: float = 5.0
-    """max global L2 norm of gradients (after unscaling); 0 = no clipping"""
-    label_smoothing: float = 0.1
-    """cross-entropy label smoothing in [0, 1)"""
-
-    def __post_init__(self) -> None:
-        self._require("lr", finite(self.lr) > 0, "must be a finite number > 0")
-        self._require("momentum", 0 <= self.momentum < 1, "must be in [0, 1)")
-        pair = len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)
-        self._require("betas", pair, "give two numbers in [0, 1) such as 0.9,0.999")
-        self._require("weight_decay", finite(self.weight_decay) >= 0, "must be >= 0")
-        self._require("warmup_steps", self.warmup_steps >= 0, "must be >= 0")
-        self._require("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
-        self._require("grad_clip", finite(self.grad_clip) >= 0, "must be >= 0 (0 = no clipping)")
-        self._require("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)")
-
-
-@dataclass(frozen=True)
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """How long to train, precision, compilation and seeding."""
 
     _name: ClassVar[str] = "train"
@@ -461,7 +360,7 @@ class TrainConfig(_Section):
 
 
 @dataclass(frozen=True)
-class CkptConfig(_Section):
+class CkptConfig(Section):
     """Checkpoints: how often, how many, and where a run resumes from."""
 
     _name: ClassVar[str] = "ckpt"
@@ -495,7 +394,7 @@ class CkptConfig(_Section):
 
 
 @dataclass(frozen=True)
-class DistConfig(_Section):
+class DistConfig(Section):
     """The process group and how the model is spread over the ranks."""
 
     _name: ClassVar[str] = "dist"
@@ -552,7 +451,7 @@ class DistConfig(_Section):
 
 
 @dataclass(frozen=True)
-class LogConfig(_Section):
+class LogConfig(Section):
     """Metrics rows, TensorBoard, the progress bar, stragglers, profiling, MFU."""
 
     _name: ClassVar[str] = "log"

@@ -136,8 +136,6 @@ FUNCTION_LINES = 60  # a function or method, from its def line to its last (docs
 DOCSTRING_LINES = 20  # a module docstring's text
 TOOL_DIRS = ("scripts", "benchmarks")  # function and docstring budgets, not the module one
 LONG_MODULES = {
-    "config.py": "the schema: every key with its type, default, one-line doc and check, in one "
-    "place (docs/configuration.md is generated from it)",
     "train.py": "the story of a run on one screen per part: main and the Trainer (fit, "
     "train_step, resume, evaluate, save, stop)",
 }

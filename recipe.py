@@ -1,0 +1,58 @@
+"""The config sections of a training recipe: the optimizer and its schedule.
+
+Apart from config.py only to keep each file readable; `config.Config` composes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from schema import Section, finite
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """The optimizer, its learning-rate schedule, clipping and the loss."""
+
+    _name: ClassVar[str] = "optim"
+
+    name: Literal["sgd", "adamw"] = "sgd"
+    """optimizer: sgd (momentum, Nesterov) or adamw"""
+    lr: float = 0.2
+    """peak learning rate, reached after warmup; tuned for the default
+    global batch of 256, scale it linearly when you change the global
+    batch"""
+    momentum: float = 0.9
+    """SGD momentum"""
+    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    """optimizer kernels: fused (one kernel, CUDA), foreach (one kernel per
+    op over all tensors), loop (per tensor); auto = fused on CUDA,
+    foreach otherwise"""
+    nesterov: bool = True
+    """SGD Nesterov momentum"""
+    betas: tuple[float, ...] = (0.9, 0.999)
+    """AdamW betas"""
+    weight_decay: float = 5e-4
+    """decoupled (AdamW) or L2 (SGD) weight decay of conv/linear weights
+    (not norms, biases)"""
+    warmup_steps: int = 100
+    """optimizer steps of linear warmup from 0 to optim.lr (at most a
+    quarter of the run: a shorter run warms up over its first quarter)"""
+    min_lr_ratio: float = 0.0
+    """cosine decay ends at optim.lr x min_lr_ratio on the last step"""
+    grad_clip: float = 5.0
+    """max global L2 norm of gradients (after unscaling); 0 = no clipping"""
+    label_smoothing: float = 0.1
+    """cross-entropy label smoothing in [0, 1)"""
+
+    def __post_init__(self) -> None:
+        self._require("lr", finite(self.lr) > 0, "must be a finite number > 0")
+        self._require("momentum", 0 <= self.momentum < 1, "must be in [0, 1)")
+        pair = len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)
+        self._require("betas", pair, "give two numbers in [0, 1) such as 0.9,0.999")
+        self._require("weight_decay", finite(self.weight_decay) >= 0, "must be >= 0")
+        self._require("warmup_steps", self.warmup_steps >= 0, "must be >= 0")
+        self._require("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        self._require("grad_clip", finite(self.grad_clip) >= 0, "must be >= 0 (0 = no clipping)")
+        self._require("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)")
