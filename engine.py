@@ -18,8 +18,10 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import distributed
 import parallel
+import scoring
 import sharding
 from config import IGNORED, ConfigError, OptimConfig
+from scoring import EvalResult
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -288,13 +290,6 @@ def train_step(
     return stats
 
 
-@dataclass(frozen=True)
-class EvalResult:
-    loss: float
-    accuracy: float
-    num_samples: int  # evaluated samples summed over all ranks
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -303,11 +298,14 @@ def evaluate(
     amp_dtype: torch.dtype | None,
     flip: bool = False,
     input_shape: Sequence[int] | None = None,
+    num_classes: int = 0,
+    confusion: bool = False,
 ) -> EvalResult:
-    """Exact loss and accuracy over every rank's shard: (sum, count) all-reduced, no padding.
-    `flip`: the logits are the mean of the image's and its mirror image's (test-time
-    augmentation, data.eval_flip). `input_shape`: one sample's, for the empty batches of a
-    sharded model.
+    """Exact loss, top-1 and top-5 accuracy over every rank's shard (scoring.EvalCounts: sums
+    all-reduced, no padding); per-class counts when `num_classes` is given (the same on every
+    rank), and the confusion matrix with `confusion`. `flip`: the logits are the mean of the
+    image's and its mirror image's (test-time augmentation, data.eval_flip). `input_shape`: one
+    sample's, for the empty batches of a sharded model.
 
     Runs the bare module: a forward through the DDP wrapper would broadcast buffers, a
     collective that ranks with fewer evaluation batches would never join.
@@ -315,7 +313,7 @@ def evaluate(
     bare = distributed.unwrap_model(model)
     was_training = bare.training
     bare.eval()
-    totals = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    counts = scoring.EvalCounts(device, num_classes, confusion)
     # Under fsdp a forward is a collective (each unit gathers its parameters): a rank whose
     # shard has run out of batches runs empty ones until every rank's has.
     sharded = parallel.is_sharded(bare)
@@ -336,13 +334,6 @@ def evaluate(
             logits = bare(images).float()
             if flip:
                 logits = (logits + bare(images.flip(-1)).float()) / 2
-        loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
-        totals[0] += loss.double()
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += (labels != IGNORED).sum()  # cross_entropy leaves IGNORED out too
+        counts.add(logits, labels)
     bare.train(was_training)
-    loss_sum, correct, count = distributed.all_reduce_sum(totals).tolist()
-    denominator = max(count, 1.0)
-    return EvalResult(
-        loss=loss_sum / denominator, accuracy=correct / denominator, num_samples=int(count)
-    )
+    return counts.reduce()

@@ -10,9 +10,10 @@ straggler gather, the ledger's totals) happens at the same step on every rank.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import auto
 import distributed
 import resilience
 import saturation
+import scoring
 from ckpt import fence, parts
 from config import LogConfig
 from distributed import AllReduceTimer, DistInfo
@@ -273,17 +275,21 @@ class Instruments:
             }
         )
 
-    def log_eval(self, result: EvalResult, ledger: parts.SampleLedger) -> None:
-        """The evaluation row, with the epoch's sample ledger so far (a collective)."""
+    def log_eval(
+        self, result: EvalResult, ledger: parts.SampleLedger, classes: Sequence[str] | None
+    ) -> None:
+        """The evaluation row, with the epoch's sample ledger so far (a collective), and the
+        report with per-class accuracy and confusion matrix (rank 0, eval_report.json)."""
         totals, per_rank = ledger.totals()
         pos = self.position
         log.info(
-            "eval step %d epoch %d loss %.4f accuracy %.4f on %d samples; epoch trained on %d "
-            "samples, digest %s",
+            "eval step %d epoch %d loss %.4f accuracy %.4f top-5 %.4f on %d samples; epoch "
+            "trained on %d samples, digest %s",
             pos.step,
             pos.epoch,
             result.loss,
             result.accuracy,
+            result.top5,
             result.num_samples,
             totals[0],
             parts.digest(totals),
@@ -296,12 +302,16 @@ class Instruments:
                 "time_s": time.perf_counter() - self.started,
                 "loss": result.loss,
                 "accuracy": result.accuracy,
+                "top5": result.top5,
                 "num_samples": result.num_samples,
                 "epoch_samples_seen": totals[0],
                 "epoch_sample_digest": parts.digest(totals),
                 "sample_digest_per_rank": [parts.digest(part) for part in per_rank],
             }
         )
+        if result.class_count and self.info.is_main:
+            payload = json.dumps(scoring.report(result, classes, pos.step))
+            self.writer.write_file(self.paths.eval_report, payload.encode())
 
     def count_flops(
         self, model: nn.Module, sample: torch.Tensor, loss_fn: nn.Module, dtype: torch.dtype

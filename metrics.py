@@ -359,6 +359,13 @@ class MetricsWriter:
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
             self._tb.flush()  # now, while the run dir is this job's (checked above)
 
+    def write_file(self, path: Path, payload: bytes) -> None:
+        """A whole file beside metrics.jsonl (eval_report.json), replaced atomically, written
+        as the rows are: by rank 0, while its job holds the run dir."""
+        if self._file is None or not self._may_write():
+            return
+        atomic.write_bytes(path, lambda f: f.write(payload))
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

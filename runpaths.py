@@ -37,6 +37,11 @@ class RunPaths:
         return self.root / "metrics.jsonl"
 
     @property
+    def eval_report(self) -> Path:
+        """The latest evaluation: top-1, top-5, per-class accuracy, confusion matrix."""
+        return self.root / "eval_report.json"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 

@@ -46,14 +46,7 @@ import sharding
 from ckpt import parts, rundir
 from ckpt.manager import CheckpointManager, Resumed, RunRecord
 from cli import notices, parse_args
-from config import (
-    IGNORED,
-    Config,
-    ConfigError,
-    for_world_size,
-    global_batch_size,
-    load_factory,
-)
+from config import IGNORED, Config, ConfigError, for_world_size, global_batch_size, load_factory
 from distributed import DistInfo
 from inputs import failures
 from instruments import Instruments
@@ -131,7 +124,7 @@ class Trainer:
         # else samples labelled config.IGNORED (-100) by a data.factory.
         self.eval_from_folder = data.folder_of(splits.eval) is not None
         self.input_shape = splits.input_shape
-        self.num_classes = splits.num_classes
+        self.num_classes, self.classes = splits.num_classes, splits.classes
 
     def build_schedule(self) -> None:
         """Where training stands (the position), and how many steps and samples an epoch has."""
@@ -486,10 +479,12 @@ class Trainer:
                 self.amp_dtype,
                 self.cfg.data.eval_flip,
                 self.input_shape,
+                self.num_classes,
+                confusion=True,
             )
         self.save_if_evaluation_failed(failed[0] if failed else None)
         self.stop_if(self.stop_requested(), buffers_averaged=True)  # the result may be partial
-        self.instruments.log_eval(result, self.ledger)
+        self.instruments.log_eval(result, self.ledger, self.classes)
         if result.num_samples < self.num_eval:
             log.warning(
                 "evaluated %d of the %d samples: %d %s",
@@ -605,6 +600,7 @@ class Trainer:
             "step": self.position.step,
             "eval_loss": result.loss,
             "eval_accuracy": result.accuracy,
+            "eval_top5": result.top5,
             "eval_num_samples": result.num_samples,
         }
 

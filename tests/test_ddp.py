@@ -158,6 +158,8 @@ def _evaluate(info: DistInfo, state: dict) -> engine.EvalResult:
         (preprocess(x, y) for x, y in loader),
         info.device,
         None,
+        num_classes=10,
+        confusion=True,
     )
 
 
@@ -175,10 +177,22 @@ def test_exact_evaluation_for_any_world_size(tmp_path, world_size) -> None:
     ref_loss = nn.functional.cross_entropy(logits, dataset.labels).item()
     ref_acc = (logits.argmax(1) == dataset.labels).sum().item() / 1001
     assert 0.0 < ref_acc < 1.0
+    # Top-5, per class and the confusion matrix, by hand: one sample at a time.
+    confusion = [[0] * 10 for _ in range(10)]
+    top5_hits = 0
+    for row, label in zip(logits.tolist(), dataset.labels.tolist(), strict=True):
+        ranked = sorted(range(10), key=lambda c: -row[c])
+        top5_hits += label in ranked[:5]
+        confusion[label][ranked[0]] += 1
+    assert 0 < top5_hits < 1001 and top5_hits / 1001 > ref_acc
     for result in run_ranks(_evaluate, world_size, tmp_path, state):
         assert result.num_samples == 1001
         assert result.accuracy == pytest.approx(ref_acc, abs=1e-12)
         assert result.loss == pytest.approx(ref_loss, rel=1e-5)
+        assert result.top5 == pytest.approx(top5_hits / 1001, abs=1e-12)
+        assert [list(r) for r in result.confusion] == confusion
+        assert list(result.class_count) == [sum(r) for r in confusion]
+        assert list(result.class_correct) == [confusion[c][c] for c in range(10)]
 
 
 def _buffers_after_average(info: DistInfo) -> list[torch.Tensor]:
