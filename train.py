@@ -58,6 +58,7 @@ from distributed import DistInfo
 from inputs import failures
 from instruments import Instruments
 from metrics import MetricsWriter
+from optim import ema, schedules, spec
 from runpaths import RunPaths
 
 log = logging.getLogger("train")
@@ -98,7 +99,7 @@ class Trainer:
         self.model = self.parallel.model
         self.build_optimization()
         decay = cfg.train.ema_decay
-        self.ema = engine.WeightAverage(self.parallel.bare, decay) if decay else None
+        self.ema = ema.WeightAverage(self.parallel.bare, decay) if decay else None
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
         self.attempt = launch.Attempt.on_main(info, self.paths.root, lease, preemption)
         self.buffers = engine.BufferSnapshot(self.model)
@@ -150,12 +151,14 @@ class Trainer:
     def build_optimization(self) -> None:
         """Optimizer (over the parallelized model's parameters), LR schedule, AMP, loss."""
         cfg = self.cfg
-        kind, groups, settings = engine.optimizer_spec(
+        kind, groups, settings = spec.optimizer_spec(
             self.parallel.bare, cfg.optim, self.auto.optimizer_impl
         )
         self.optimizer = self.parallel.build_optimizer(kind, groups, **settings)
         # The schedule's length is read at each step: resuming may change it (total_steps).
-        self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
+        self.scheduler = schedules.build_scheduler(
+            self.optimizer, cfg.optim, lambda: self.total_steps
+        )
         self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(self.info.device, self.amp_dtype)
         self.loss_fn: nn.Module = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
@@ -297,7 +300,7 @@ class Trainer:
             self.load_weights(self.cfg.model.weights)
         self.checkpoints.total_steps = self.total_steps
         self.saved_step = self.position.step
-        self.warn_if_warmup_shortened()
+        schedules.warn_if_warmup_shortened(self.cfg.optim, self.total_steps, self.info.is_main)
         # Once resuming is settled (a refused run changes no file), before anything is trained.
         self.settle_run_dir()
         self.log_run()
@@ -334,17 +337,6 @@ class Trainer:
                 "match",
                 self.total_steps,
                 resumed.meta["total_steps"],
-            )
-
-    def warn_if_warmup_shortened(self) -> None:
-        warmup = engine.warmup_steps(self.cfg.optim.warmup_steps, self.total_steps)
-        if warmup < self.cfg.optim.warmup_steps and self.info.is_main:
-            log.warning(
-                "optim.warmup_steps=%d is more than a quarter of this run's %d steps: warming "
-                "up over %d steps instead",
-                self.cfg.optim.warmup_steps,
-                self.total_steps,
-                warmup,
             )
 
     def settle_run_dir(self) -> None:
