@@ -58,7 +58,7 @@ from distributed import DistInfo
 from inputs import failures
 from instruments import Instruments
 from metrics import MetricsWriter
-from optim import ema, schedules, spec
+from optim import ema, groups, schedules, spec
 from runpaths import RunPaths
 
 log = logging.getLogger("train")
@@ -93,6 +93,7 @@ class Trainer:
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
         model = build.build_model(cfg, splits, info, self.preprocess, self.layout)
+        self.param_groups = groups.plan(model, cfg.optim)  # frozen ones frozen before wrapping
         self.parallel = parallel.parallelize(
             model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
         )
@@ -151,10 +152,10 @@ class Trainer:
     def build_optimization(self) -> None:
         """Optimizer (over the parallelized model's parameters), LR schedule, AMP, loss."""
         cfg = self.cfg
-        kind, groups, settings = spec.optimizer_spec(
-            self.parallel.bare, cfg.optim, self.auto.optimizer_impl
+        kind, param_groups, settings = spec.optimizer_spec(
+            self.parallel.bare, cfg.optim, self.auto.optimizer_impl, self.param_groups
         )
-        self.optimizer = self.parallel.build_optimizer(kind, groups, **settings)
+        self.optimizer = self.parallel.build_optimizer(kind, param_groups, **settings)
         # The schedule's length is read at each step: resuming may change it (total_steps).
         self.scheduler = schedules.build_scheduler(
             self.optimizer, cfg.optim, lambda: self.total_steps
@@ -643,6 +644,8 @@ def read_config(argv: list[str]) -> Config:
     models.check(cfg.model)
     if cfg.data.factory:
         load_factory("data.factory", cfg.data.factory)
+    if cfg.optim.param_groups:
+        load_factory("optim.param_groups", cfg.optim.param_groups)
     return cfg
 
 
