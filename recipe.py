@@ -52,10 +52,29 @@ class OptimConfig(Section):
     param_groups_kwargs: str = ""
     """JSON object of keyword arguments for optim.param_groups"""
     warmup_steps: int = 100
-    """optimizer steps of linear warmup from 0 to optim.lr (at most a
-    quarter of the run: a shorter run warms up over its first quarter)"""
+    """optimizer steps of warm-up (at most a quarter of the run: a shorter
+    run warms up over its first quarter)"""
+    warmup_epochs: int = 0
+    """warm-up in epochs instead of optim.warmup_steps, when > 0
+    (torchvision's --lr-warmup-epochs)"""
+    warmup: Literal["linear", "constant"] = "linear"
+    """warm-up: linear from optim.warmup_factor x optim.lr to optim.lr, or
+    constant at optim.warmup_factor x optim.lr (torchvision's
+    --lr-warmup-method)"""
+    warmup_factor: float = 0.0
+    """the warm-up's start, times optim.lr (torchvision's --lr-warmup-decay)"""
+    schedule: Literal["cosine", "step", "exponential", "constant"] = "cosine"
+    """after the warm-up, per optimizer step: cosine to optim.lr x
+    min_lr_ratio on the last step, step (x optim.gamma every
+    optim.step_epochs epochs), exponential (x optim.gamma per epoch), or
+    constant (torchvision's --lr-scheduler)"""
     min_lr_ratio: float = 0.0
     """cosine decay ends at optim.lr x min_lr_ratio on the last step"""
+    step_epochs: int = 30
+    """schedule=step: epochs between decays (torchvision's --lr-step-size)"""
+    gamma: float = 0.1
+    """schedule=step: the factor at each decay; exponential: the factor per
+    epoch (torchvision's --lr-gamma)"""
     grad_clip: float = 5.0
     """max global L2 norm of gradients (after unscaling); 0 = no clipping"""
     label_smoothing: float = 0.1
@@ -72,5 +91,11 @@ class OptimConfig(Section):
         self._require_factory("param_groups", "param_groups_kwargs")
         self._require("warmup_steps", self.warmup_steps >= 0, "must be >= 0")
         self._require("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        self._require("warmup_epochs", self.warmup_epochs >= 0, "must be >= 0")
+        self._require("warmup_factor", 0 <= self.warmup_factor <= 1, "must be in [0, 1]")
+        idle = self.warmup == "constant" and self.warmup_factor == 0
+        self._require("warmup_factor", not idle, "a constant warm-up at 0 trains nothing")
+        self._require("step_epochs", self.step_epochs >= 1, "must be >= 1")
+        self._require("gamma", 0 < finite(self.gamma) <= 1, "must be in (0, 1]")
         self._require("grad_clip", finite(self.grad_clip) >= 0, "must be >= 0 (0 = no clipping)")
         self._require("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)")

@@ -158,7 +158,7 @@ class Trainer:
         self.optimizer = self.parallel.build_optimizer(kind, param_groups, **settings)
         # The schedule's length is read at each step: resuming may change it (total_steps).
         self.scheduler = schedules.build_scheduler(
-            self.optimizer, cfg.optim, lambda: self.total_steps
+            self.optimizer, cfg.optim, lambda: self.total_steps, self.steps_per_epoch
         )
         self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(self.info.device, self.amp_dtype)
@@ -301,7 +301,9 @@ class Trainer:
             self.load_weights(self.cfg.model.weights)
         self.checkpoints.total_steps = self.total_steps
         self.saved_step = self.position.step
-        schedules.warn_if_warmup_shortened(self.cfg.optim, self.total_steps, self.info.is_main)
+        schedules.warn_if_warmup_shortened(
+            self.cfg.optim, self.total_steps, self.steps_per_epoch, self.info.is_main
+        )
         # Once resuming is settled (a refused run changes no file), before anything is trained.
         self.settle_run_dir()
         self.log_run()
@@ -334,7 +336,7 @@ class Trainer:
         elif ends != self.total_steps and self.info.is_main:  # the same on every rank
             log.warning(
                 "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
-                "the world size changed): the cosine learning-rate schedule is stretched to "
+                "the world size changed): the learning-rate schedule is stretched to "
                 "match",
                 self.total_steps,
                 resumed.meta["total_steps"],

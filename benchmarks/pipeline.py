@@ -162,7 +162,9 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
         model=model,
         optimizer=optimizer,
         # The learning rates are not what the comparison is about: use the pipeline's schedule.
-        scheduler=schedules.build_scheduler(optimizer, o, pipeline.schedule_steps),
+        scheduler=schedules.build_scheduler(
+            optimizer, o, pipeline.schedule_steps, pipeline.trainer.steps_per_epoch
+        ),
         scaler=torch.amp.GradScaler(info.device.type, enabled=pipeline.amp_dtype == torch.float16),
         batches=pipeline.batches,
         mean=mean,

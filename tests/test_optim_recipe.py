@@ -242,3 +242,122 @@ def test_frozen_weights_and_batchnorm_statistics_stay_bit_for_bit_under_torchrun
         assert torch.equal(final[key], start[key]), key
     for key in ("head.weight", "stages.1.conv1.weight", "stages.1.norm1.running_mean"):
         assert not torch.equal(final[key], start[key]), key
+
+
+# -- schedules ---------------------------------------------------------------------------------
+
+TOTAL, SPE = 60, 6  # steps in the run, steps per epoch
+
+
+def lrs(cfg: OptimConfig, total: int = TOTAL, spe: int = SPE) -> list[list[float]]:
+    """Each group's lr at every step, as the trainer sees it: read, step, then schedule.step()
+    (two groups: the second at a tenth of the peak, as a param_groups factory gives it)."""
+    from optim import schedules
+
+    a, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": cfg.lr / 10}], lr=cfg.lr)
+    scheduler = schedules.build_scheduler(optimizer, cfg, total, spe)
+    out = []
+    for _ in range(total):
+        out.append([g["lr"] for g in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def torch_lrs(make, steps: int, lr: float = 1.0) -> list[float]:
+    """The lr of torch's own scheduler `make(optimizer)` at each of `steps` steps."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = make(optimizer)
+    out = []
+    for _ in range(steps):
+        out.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def test_the_default_schedule_is_todays_warmup_and_cosine_bit_for_bit() -> None:
+    """By hand, as the schedule has always been written: (s + 1) / W, then
+    0.5 (1 + cos(pi (s - W) / (T - W - 1)))."""
+    import math
+
+    got = lrs(OptimConfig(lr=1.0, warmup_steps=8))
+    expected = [(s + 1) / 8 for s in range(8)]
+    expected += [0.5 * (1 + math.cos(math.pi * min(1.0, (s - 8) / 51))) for s in range(8, 60)]
+    assert [g[0] for g in got] == expected
+
+
+@pytest.mark.parametrize("warmup", ["linear", "constant"])
+def test_step_schedule_by_hand_and_against_torchs_steplr(warmup) -> None:
+    """Warm-up 12 steps (2 epochs) from 0.01, then x 0.5 every 3 epochs (18 steps)."""
+    cfg = OptimConfig(
+        lr=1.0,
+        warmup=warmup,
+        warmup_epochs=2,
+        warmup_factor=0.01,
+        schedule="step",
+        step_epochs=3,
+        gamma=0.5,
+    )
+    got = lrs(cfg)
+    if warmup == "linear":
+        warm = [0.01 + 0.99 * (s + 1) / 12 for s in range(12)]
+        # torch's LinearLR reaches 1 one step later: its step s + 1 is our step s.
+        linear = torch.optim.lr_scheduler.LinearLR
+        ref = torch_lrs(lambda o: linear(o, start_factor=0.01, total_iters=12), 13)[1:]
+    else:
+        warm = [0.01] * 12
+        constant = torch.optim.lr_scheduler.ConstantLR
+        ref = torch_lrs(lambda o: constant(o, factor=0.01, total_iters=12), 12)
+    main = [1.0] * 18 + [0.5] * 18 + [0.25] * 12
+    assert [g[0] for g in got] == pytest.approx(warm + main, rel=1e-12)
+    assert [g[0] for g in got[:12]] == pytest.approx(ref, rel=1e-12)
+    steplr = torch.optim.lr_scheduler.StepLR
+    assert [g[0] for g in got[12:]] == pytest.approx(
+        torch_lrs(lambda o: steplr(o, step_size=18, gamma=0.5), 48), rel=1e-12
+    )
+    assert [g[1] for g in got] == pytest.approx([g[0] / 10 for g in got], rel=1e-12)
+
+
+def test_exponential_schedule_by_hand_and_against_torchs_exponentiallr() -> None:
+    """x 0.8 per epoch: at each epoch's start exactly torchvision's per-epoch ExponentialLR,
+    in between torch's per-step ExponentialLR at 0.8 ** (1 / 6)."""
+    cfg = OptimConfig(lr=1.0, warmup_steps=0, schedule="exponential", gamma=0.8)
+    got = [g[0] for g in lrs(cfg)]
+    assert got == pytest.approx([0.8 ** (s / 6) for s in range(60)], rel=1e-12)
+    exponential = torch.optim.lr_scheduler.ExponentialLR
+    per_step = torch_lrs(lambda o: exponential(o, gamma=0.8 ** (1 / 6)), 60)
+    assert got == pytest.approx(per_step, rel=1e-9)
+    per_epoch = torch_lrs(lambda o: exponential(o, gamma=0.8), 10)
+    assert got[::6] == pytest.approx(per_epoch, rel=1e-12)
+
+
+def test_cosine_and_constant_schedules_against_torchs_schedulers() -> None:
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    got = [g[0] for g in lrs(cfg)]
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR
+    # Ours ends at min_lr_ratio on the run's last step: T_max = 60 - 4 - 1.
+    ref = torch_lrs(lambda o: cosine(o, T_max=55, eta_min=0.1), 56)
+    assert got[4:] == pytest.approx(ref, rel=1e-9)
+    assert got[-1] == pytest.approx(0.1)
+    flat = [g[0] for g in lrs(OptimConfig(lr=1.0, warmup_steps=4, schedule="constant"))]
+    assert flat == [0.25, 0.5, 0.75] + [1.0] * 57
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--optim.gamma=0", "optim.gamma: 0.0 (must be in (0, 1])"),
+        ("--optim.step_epochs=0", "optim.step_epochs: 0 (must be >= 1)"),
+        ("--optim.warmup_factor=1.5", "optim.warmup_factor: 1.5 (must be in [0, 1])"),
+        ("--optim.warmup=constant", "optim.warmup_factor: 0.0 (a constant warm-up at 0"),
+        ("--optim.norm_weight_decay=-1", "optim.norm_weight_decay: -1.0 (must be >= 0)"),
+    ],
+)
+def test_bad_schedule_and_decay_values_are_refused_naming_key_and_value(flag, message) -> None:
+    from cli import parse_args
+
+    with pytest.raises(ConfigError, match="invalid value for") as err:
+        parse_args([flag])
+    assert message in str(err.value)
