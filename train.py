@@ -99,8 +99,8 @@ class Trainer:
         )
         self.model = self.parallel.model
         self.build_optimization()
-        decay = cfg.train.ema_decay
-        self.ema = ema.WeightAverage(self.parallel.bare, decay) if decay else None
+        spans = self.samples_per_step, self.steps_per_epoch, lambda: self.total_steps
+        self.ema = ema.build(self.parallel.bare, cfg, *spans)  # None without train.ema_decay
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
         self.attempt = launch.Attempt.on_main(info, self.paths.root, lease, preemption)
         self.buffers = engine.BufferSnapshot(self.model)
@@ -282,7 +282,7 @@ class Trainer:
             if verdict.skip:
                 self.buffers.restore()
             elif self.ema is not None:
-                self.ema.update()
+                self.ema.after_step(self.position)  # the position before this step
             self.scheduler.step()
             self.position.step += 1
             self.position.samples_in_epoch += self.samples_per_step
@@ -301,9 +301,8 @@ class Trainer:
             self.load_weights(self.cfg.model.weights)
         self.checkpoints.total_steps = self.total_steps
         self.saved_step = self.position.step
-        schedules.warn_if_warmup_shortened(
-            self.cfg.optim, self.total_steps, self.steps_per_epoch, self.info.is_main
-        )
+        run = self.cfg.optim, self.total_steps, self.steps_per_epoch
+        schedules.warn_if_warmup_shortened(*run, self.info.is_main)
         # Once resuming is settled (a refused run changes no file), before anything is trained.
         self.settle_run_dir()
         self.log_run()

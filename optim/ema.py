@@ -1,11 +1,15 @@
 """The weight average (train.ema_decay): an exponential moving average of the model's
-weights, evaluated and checkpointed (the part "ema") instead of the last step's weights.
+weights, evaluated and checkpointed (the part "ema") instead of the last step's weights,
+updated as torchvision's reference does where asked: every N-th step of an epoch
+(train.ema_every_steps), its decay adjusted to the batch and run length (train.ema_adjust),
+restarted from the weights through the warm-up (train.ema_warmup_reset).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,6 +17,10 @@ from torch import nn
 
 import distributed
 import sharding
+from config import Config
+from optim import schedules
+
+log = logging.getLogger(__name__)
 
 
 class WeightAverage:
@@ -28,10 +36,19 @@ class WeightAverage:
     shard), without communication.
     """
 
-    def __init__(self, model: nn.Module, decay: float) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float,
+        every_steps: int = 1,
+        samples_per_step: int = 1,
+        reset_until: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.model = distributed.unwrap_model(model)
         self.decay = decay
         self.updates = 0
+        self.every_steps, self.samples_per_step = every_steps, samples_per_step
+        self.reset_until = reset_until  # the warm-up's length in steps, read at each update
         named = list(self.model.named_parameters())
         self._names = [name for name, _ in named]
         self._like = [p for _, p in named]
@@ -44,6 +61,19 @@ class WeightAverage:
         """Start the average anew from the model's weights (after loading model.weights)."""
         torch._foreach_copy_(self._averages, self._params)
         self.updates = 0
+
+    def after_step(self, position: Any) -> None:
+        """After an applied optimizer step, `position` (ckpt.parts.Position) still before it:
+        update on the epoch's steps 0, N, 2N, ... (the reference's `i % model_ema_steps == 0`),
+        and inside the warm-up restart from the weights instead (it resets its count there,
+        so that its next update copies the weights). Derived from the position alone, so a
+        resumed run updates where an uninterrupted one does."""
+        if (position.samples_in_epoch // self.samples_per_step) % self.every_steps:
+            return
+        if position.step < self.reset_until():
+            self.restart()
+        else:
+            self.update()
 
     @torch.no_grad()
     def update(self) -> None:
@@ -88,3 +118,35 @@ class WeightAverage:
         self.updates = int(state["updates"])
         for name, average, like in zip(self._names, self._averages, self._like, strict=True):
             average.copy_(sharding.local_tensor(sharding.shard_like(weights[name], like)))
+
+
+def adjusted_decay(decay: float, samples_per_step: int, every_steps: int, epochs: int) -> float:
+    """torchvision's adjustment (references/classification/train.py, after pycls): 1 - decay
+    scaled by world_size x batch_size x model_ema_steps / epochs, capped at 1, so that the
+    average spans about the same share of the run whatever the batch and length. Its
+    world_size x batch_size is the global batch here (samples per optimizer step)."""
+    return 1.0 - min(1.0, (1.0 - decay) * samples_per_step * every_steps / epochs)
+
+
+def build(
+    model: nn.Module,
+    cfg: Config,
+    samples_per_step: int,
+    steps_per_epoch: int,
+    total_steps: Callable[[], int],
+) -> WeightAverage | None:
+    """The run's weight average (None without train.ema_decay)."""
+    train = cfg.train
+    if not train.ema_decay:
+        return None
+    decay = train.ema_decay
+    if train.ema_adjust:
+        decay = adjusted_decay(decay, samples_per_step, train.ema_every_steps, train.epochs)
+        log.info("train.ema_adjust: decay %s per update instead of %s", decay, train.ema_decay)
+
+    def reset_until() -> int:
+        if not train.ema_warmup_reset:
+            return 0
+        return schedules.warmup_length(cfg.optim, total_steps(), steps_per_epoch)
+
+    return WeightAverage(model, decay, train.ema_every_steps, samples_per_step, reset_until)

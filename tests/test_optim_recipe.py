@@ -361,3 +361,69 @@ def test_bad_schedule_and_decay_values_are_refused_naming_key_and_value(flag, me
     with pytest.raises(ConfigError, match="invalid value for") as err:
         parse_args([flag])
     assert message in str(err.value)
+
+
+# -- the weight average as the reference adjusts it ----------------------------------------
+
+
+def test_weight_average_every_n_steps_restarting_through_the_warmup_by_hand() -> None:
+    """4 steps an epoch, every 2nd step, warm-up 3 steps, decay 0.5: steps 0 and 2 restart
+    from the weights (the reference's reset of n_averaged), 4 and 6 average with the ramped
+    decay min(0.5, (1 + n) / (10 + n)), the odd steps do nothing."""
+    from ckpt.parts import Position
+    from optim import ema
+
+    model = nn.Linear(1, 1, bias=False)
+    average = ema.WeightAverage(
+        model, 0.5, every_steps=2, samples_per_step=4, reset_until=lambda: 3
+    )
+    for step in range(8):
+        with torch.no_grad():
+            model.weight.fill_(float(step + 1))  # the weights the step left
+        average.after_step(Position(step=step, epoch=step // 4, samples_in_epoch=step % 4 * 4))
+    expected = 0.1 * 3.0 + 0.9 * 5.0  # step 2 restarted at 3, step 4: n = 0
+    expected = 2 / 11 * expected + 9 / 11 * 7.0  # step 6: n = 1
+    with average.applied() as evaluated:
+        assert evaluated.weight.item() == pytest.approx(expected, rel=1e-6)
+    assert average.updates == 2
+
+
+def test_the_decay_adjustment_is_torchvisions_by_hand() -> None:
+    """torchvision's ResNet recipe numbers: decay 0.99998, 32 steps, 600 epochs, a global
+    batch of 1024: 1 - 2e-5 x 1024 x 32 / 600; capped at 1 - 1 = 0."""
+    from optim import ema
+
+    assert ema.adjusted_decay(0.99998, 1024, 32, 600) == pytest.approx(1 - 0.65536 / 600)
+    assert ema.adjusted_decay(0.9, 1024, 32, 10) == 0.0
+
+
+@pytest.mark.slow
+def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path) -> None:
+    """Stopped by SIGTERM after step 5 (mid-epoch, between two EMA updates) and resumed:
+    weights, optimizer state (param groups at two rates, a frozen stem) and the average
+    torch.equal to a run never stopped. The average updated on steps 3, 6, 8, 11, 14 (every
+    3rd step of an 8-step epoch, the warm-up's step 0 a restart): 5 updates, by hand."""
+    from test_train_e2e import assert_resumes_exactly
+
+    args = tiny_job_args(
+        None,
+        optim_param_groups=EXAMPLE,
+        optim_param_groups_kwargs='{"head": "head", "frozen": ["stem"]}',
+        optim_schedule="step",
+        optim_step_epochs=1,
+        optim_gamma=0.5,
+        optim_warmup_steps=3,
+        train_ema_decay=0.9,
+        train_ema_every_steps=3,
+        train_ema_warmup_reset=True,
+        train_epochs=2,
+        dist_timeout_s=60,
+    )
+    reference = assert_resumes_exactly(tmp_path, args, stop_after=5)
+    state = final_state(reference)
+    assert state["step"] == 16 and state["ema"]["updates"] == 5
+    groups_saved = state["optimizer"]["param_groups"]
+    assert [g.get("name") for g in groups_saved] == ["head", "head", "backbone", "backbone"]
+    # Step 16 is 13 steps after the warm-up: one halving (8 steps an epoch), the backbone
+    # at a tenth of the head's rate.
+    assert [g["lr"] for g in groups_saved] == pytest.approx([0.1, 0.1, 0.01, 0.01])
