@@ -11,6 +11,7 @@ docs/your-model-and-data.md.
 from __future__ import annotations
 
 import json
+import logging
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any
 from torch import nn
 
 from config import ConfigError, OptimConfig, load_factory
+
+log = logging.getLogger(__name__)
 
 KEYS = {"name", "params", "lr_scale", "lr", "weight_decay", "frozen"}
 
@@ -65,7 +68,16 @@ def plan(model: nn.Module, cfg: OptimConfig) -> tuple[Group, ...]:
     if not trainable:
         raise ConfigError(f"{where} freezes every parameter: nothing would train")
     freeze(model, groups)
+    log.info("%s: %s", where, "; ".join(describe(g, cfg) for g in groups))
     return tuple(groups)
+
+
+def describe(group: Group, cfg: OptimConfig) -> str:
+    """One group as the start-up log says it: its name, size and rate."""
+    rate = "frozen" if group.frozen else f"peak lr {group.peak_lr(cfg):g}"
+    if group.weight_decay is not None:
+        rate += f", weight decay {group.weight_decay:g}"
+    return f"{group.name} ({len(group.names)} parameters, {rate})"
 
 
 def _group(index: int, raw: Any, names: list[str], where: str) -> Group:
