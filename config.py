@@ -346,6 +346,15 @@ class TrainConfig(Section):
     """evaluate an exponential moving average of the weights with this
     decay per optimizer step (e.g. 0.998; saved in checkpoints as "ema");
     0 = evaluate the weights as they are"""
+    ema_every_steps: int = 1
+    """update the average on every N-th optimizer step of an epoch
+    (torchvision's --model-ema-steps)"""
+    ema_adjust: bool = False
+    """scale 1 - ema_decay by the global batch x ema_every_steps /
+    train.epochs, as torchvision's reference adjusts --model-ema-decay"""
+    ema_warmup_reset: bool = False
+    """restart the average from the weights at each update of the warm-up
+    (torchvision's reference resets it in its warm-up epochs)"""
     max_nonfinite_steps: int = 5
     """consecutive optimizer steps with a non-finite loss or gradient (each
     skipped on every rank) after which the run stops with exit code 3"""
@@ -357,6 +366,7 @@ class TrainConfig(Section):
         self._require("grad_accum_steps", self.grad_accum_steps >= 1, "must be >= 1")
         self._require("seed", self.seed >= 0, "must be >= 0")
         self._require("ema_decay", 0 <= finite(self.ema_decay) < 1, "in [0, 1); 0 = off")
+        self._require("ema_every_steps", self.ema_every_steps >= 1, "must be >= 1")
 
 
 @dataclass(frozen=True)

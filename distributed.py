@@ -548,11 +548,14 @@ def average_buffers(model: nn.Module) -> None:
     DDP broadcasts rank 0's buffers at the start of each forward, then each rank updates its
     own copy from its own shard, so after the last step the ranks disagree slightly. Averaging
     before evaluation makes every rank evaluate the same model (the epoch-end checkpoint, taken
-    after evaluation, then holds the averaged statistics).
+    after evaluation, then holds the averaged statistics). A module held in eval mode (a frozen
+    group's BatchNorm, optim.param_groups) updates no statistics: its buffers agree on every
+    rank already, and (x + x + x) / 3 need not give x back, so they are left alone.
     """
     if not active():
         return
-    buffers = [b for b in unwrap_model(model).buffers() if b.is_floating_point()]
+    modules = [m for m in unwrap_model(model).modules() if m.training]
+    buffers = [b for m in modules for b in m.buffers(recurse=False) if b.is_floating_point()]
     if not buffers:
         return
     flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])

@@ -1,4 +1,5 @@
-"""The math of training: optimizer, LR schedule, precision, one optimizer step, evaluation.
+"""The math of training: precision, one optimizer step, evaluation (the optimizer, its
+schedule and the weight average are in optim/).
 
 Plain functions with no I/O and no rank checks. Nothing here calls `.item()` or otherwise
 waits for the device, except `evaluate`, which returns Python numbers once at the end.
@@ -8,19 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 import distributed
 import parallel
 import scoring
 import sharding
-from config import IGNORED, ConfigError, OptimConfig
+from config import IGNORED, ConfigError
 from scoring import EvalResult
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -35,67 +34,6 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 def make_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
     """A GradScaler that is active only for fp16 (bf16 has fp32's range and needs none)."""
     return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-
-
-def optimizer_kernels(impl: str) -> dict[str, bool]:
-    """The `fused`/`foreach` keyword arguments for a resolved `optim.impl` (auto.optimizer_impl)."""
-    return {"fused": impl == "fused", "foreach": impl == "foreach"}
-
-
-def optimizer_spec(
-    model: nn.Module, cfg: OptimConfig, impl: str
-) -> tuple[type[torch.optim.Optimizer], list[dict[str, Any]], dict[str, Any]]:
-    """(class, param groups, settings) of the optimizer: SGD or AdamW; weight decay on
-    conv/linear weights only, not on norm scales or biases. `impl` is optim.impl as resolved
-    (auto.optimizer_impl: the run's auto.Auto record)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    kernels = optimizer_kernels(impl)
-    if cfg.name == "sgd":
-        momentum = {"momentum": cfg.momentum, "nesterov": cfg.nesterov and cfg.momentum > 0}
-        return torch.optim.SGD, groups, {"lr": cfg.lr, **momentum, **kernels}
-    beta1, beta2 = cfg.betas
-    return torch.optim.AdamW, groups, {"lr": cfg.lr, "betas": (beta1, beta2), **kernels}
-
-
-def build_optimizer(model: nn.Module, cfg: OptimConfig, impl: str) -> torch.optim.Optimizer:
-    """The optimizer of `optimizer_spec`, every rank holding all of its state."""
-    cls, groups, settings = optimizer_spec(model, cfg, impl)
-    return cls(groups, **settings)
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR at optimizer step `step`: linear warmup, then cosine decay."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps - 1)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int | Callable[[], int]
-) -> LambdaLR:
-    """Warmup and cosine decay over `total_steps`: a count, or a function giving it (a run
-    knows its length only once it has resumed, which may be after the scheduler is built)."""
-    steps = total_steps if callable(total_steps) else lambda: total_steps
-
-    def factor(step: int) -> float:  # a function: LambdaLR saves no state of it
-        total = steps()
-        return lr_factor(step, warmup_steps(cfg.warmup_steps, total), total, cfg.min_lr_ratio)
-
-    return LambdaLR(optimizer, factor)
-
-
-def warmup_steps(configured: int, total_steps: int) -> int:
-    """optim.warmup_steps, but at most a quarter of the run: a short run (a subset, a smoke
-    test) spends three quarters of its steps at useful learning rates instead of warming up
-    throughout (the Trainer warns when it shortens the warmup)."""
-    return min(configured, total_steps // 4)
 
 
 @dataclass
@@ -198,81 +136,6 @@ class BufferSnapshot:
         with torch.no_grad():
             for saved, buffer in zip(self.saved, self.buffers, strict=True):
                 buffer.copy_(saved)
-
-
-class WeightAverage:
-    """An exponential moving average of the model's weights, the model evaluated (and kept as
-    the checkpoint part "ema"): smoother than the last step's weights, so evaluation does not
-    swing with the noise of the final steps.
-
-    After each applied optimizer step, ema = decay x ema + (1 - decay) x weights, with the decay
-    ramped up as min(decay, (1 + n) / (10 + n)) over the first n updates so the average is not
-    dominated by the random initial weights. Buffers (BatchNorm statistics) are not averaged:
-    they are taken from the model as they are when evaluating. Every rank holds the same
-    weights (or, under fsdp, its shard of them), so every rank holds the same average (its
-    shard), without communication.
-    """
-
-    def __init__(self, model: nn.Module, decay: float) -> None:
-        self.model = distributed.unwrap_model(model)
-        self.decay = decay
-        self.updates = 0
-        named = list(self.model.named_parameters())
-        self._names = [name for name, _ in named]
-        self._like = [p for _, p in named]
-        # This rank's values (under fsdp its shard of each parameter), and their averages.
-        self._params = [sharding.local_tensor(p.detach()) for p in self._like]
-        self._averages = [p.clone() for p in self._params]
-
-    @torch.no_grad()
-    def restart(self) -> None:
-        """Start the average anew from the model's weights (after loading model.weights)."""
-        torch._foreach_copy_(self._averages, self._params)
-        self.updates = 0
-
-    @torch.no_grad()
-    def update(self) -> None:
-        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        torch._foreach_lerp_(self._averages, self._params, 1.0 - decay)
-        self.updates += 1
-
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[nn.Module]:
-        """The model with the averaged weights (and its own buffers) inside this block; its
-        trained weights are put back after it."""
-        with torch.no_grad():
-            trained = [p.clone() for p in self._params]
-            torch._foreach_copy_(self._params, self._averages)
-        try:
-            yield self.model
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(self._params, trained)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Whole tensors (a collective under fsdp): the averaged weights by parameter name,
-        and the model's buffers beside them, a state_dict `--model.weights` can read."""
-        weights = sharding.full_state_dict(self.model)
-        for name, average, like in zip(self._names, self._averages, self._like, strict=True):
-            weights[name] = sharding.full_from_local(average, like)
-        return {"updates": self.updates, "weights": weights}
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """As `state_dict`, the averages of sharded parameters left as this rank's shards."""
-        weights = distributed.unwrap_model(self.model).state_dict()
-        for name, average, like in zip(self._names, self._averages, self._like, strict=True):
-            weights[name] = sharding.like_local(average, like)
-        return {"updates": self.updates, "weights": weights}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        weights = state["weights"]
-        missing = [name for name in self._names if name not in weights]
-        if missing:
-            raise KeyError(f"the weight average lacks {', '.join(missing[:8])}")
-        self.updates = int(state["updates"])
-        for name, average, like in zip(self._names, self._averages, self._like, strict=True):
-            average.copy_(sharding.local_tensor(sharding.shard_like(weights[name], like)))
 
 
 def train_step(

@@ -34,13 +34,47 @@ class OptimConfig(Section):
     betas: tuple[float, ...] = (0.9, 0.999)
     """AdamW betas"""
     weight_decay: float = 5e-4
-    """decoupled (AdamW) or L2 (SGD) weight decay of conv/linear weights
-    (not norms, biases)"""
+    """decoupled (AdamW) or L2 (SGD) weight decay of parameters of 2 or more
+    dimensions (conv/linear weights); those of fewer dimensions get
+    optim.norm_weight_decay, optim.bias_weight_decay or none"""
+    norm_weight_decay: float = 0.0
+    """weight decay of the 1-D scales and shifts of normalization layers
+    (BatchNorm, LayerNorm, GroupNorm, InstanceNorm; torchvision's
+    --norm-weight-decay)"""
+    bias_weight_decay: float = 0.0
+    """weight decay of the other 1-D parameters named bias (torchvision's
+    --bias-weight-decay; left unset there, biases decay at --wd: set this
+    to optim.weight_decay)"""
+    param_groups: str = ""
+    """package.module:function(model, **param_groups_kwargs) returning
+    parameter groups, each with its own lr_scale or lr and weight_decay, or
+    frozen (docs/your-model-and-data.md); empty = one rate for all"""
+    param_groups_kwargs: str = ""
+    """JSON object of keyword arguments for optim.param_groups"""
     warmup_steps: int = 100
-    """optimizer steps of linear warmup from 0 to optim.lr (at most a
-    quarter of the run: a shorter run warms up over its first quarter)"""
+    """optimizer steps of warm-up (at most a quarter of the run: a shorter
+    run warms up over its first quarter)"""
+    warmup_epochs: int = 0
+    """warm-up in epochs instead of optim.warmup_steps, when > 0
+    (torchvision's --lr-warmup-epochs)"""
+    warmup: Literal["linear", "constant"] = "linear"
+    """warm-up: linear from optim.warmup_factor x optim.lr to optim.lr, or
+    constant at optim.warmup_factor x optim.lr (torchvision's
+    --lr-warmup-method)"""
+    warmup_factor: float = 0.0
+    """the warm-up's start, times optim.lr (torchvision's --lr-warmup-decay)"""
+    schedule: Literal["cosine", "step", "exponential", "constant"] = "cosine"
+    """after the warm-up, per optimizer step: cosine to optim.lr x
+    min_lr_ratio on the last step, step (x optim.gamma every
+    optim.step_epochs epochs), exponential (x optim.gamma per epoch), or
+    constant (torchvision's --lr-scheduler)"""
     min_lr_ratio: float = 0.0
     """cosine decay ends at optim.lr x min_lr_ratio on the last step"""
+    step_epochs: int = 30
+    """schedule=step: epochs between decays (torchvision's --lr-step-size)"""
+    gamma: float = 0.1
+    """schedule=step: the factor at each decay; exponential: the factor per
+    epoch (torchvision's --lr-gamma)"""
     grad_clip: float = 5.0
     """max global L2 norm of gradients (after unscaling); 0 = no clipping"""
     label_smoothing: float = 0.1
@@ -52,7 +86,16 @@ class OptimConfig(Section):
         pair = len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)
         self._require("betas", pair, "give two numbers in [0, 1) such as 0.9,0.999")
         self._require("weight_decay", finite(self.weight_decay) >= 0, "must be >= 0")
+        self._require("norm_weight_decay", finite(self.norm_weight_decay) >= 0, "must be >= 0")
+        self._require("bias_weight_decay", finite(self.bias_weight_decay) >= 0, "must be >= 0")
+        self._require_factory("param_groups", "param_groups_kwargs")
         self._require("warmup_steps", self.warmup_steps >= 0, "must be >= 0")
         self._require("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        self._require("warmup_epochs", self.warmup_epochs >= 0, "must be >= 0")
+        self._require("warmup_factor", 0 <= self.warmup_factor <= 1, "must be in [0, 1]")
+        idle = self.warmup == "constant" and self.warmup_factor == 0
+        self._require("warmup_factor", not idle, "a constant warm-up at 0 trains nothing")
+        self._require("step_epochs", self.step_epochs >= 1, "must be >= 1")
+        self._require("gamma", 0 < finite(self.gamma) <= 1, "must be in (0, 1]")
         self._require("grad_clip", finite(self.grad_clip) >= 0, "must be >= 0 (0 = no clipping)")
         self._require("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)")

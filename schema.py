@@ -33,7 +33,11 @@ def image_shape(shape: tuple[int, ...]) -> bool:
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 FACTORY_FIX = "write package.module:function"
-RESERVED_KWARGS = {"model.kwargs": ("in_channels", "num_classes"), "data.kwargs": ("root",)}
+RESERVED_KWARGS = {
+    "model.kwargs": ("in_channels", "num_classes"),
+    "data.kwargs": ("root",),
+    "optim.param_groups_kwargs": ("model",),
+}
 
 
 def json_object(text: str) -> dict[str, Any] | None:
@@ -97,15 +101,18 @@ class Section:
             value = getattr(self, field_name)
             raise ConfigError(f"invalid value for {self._name}.{field_name}: {value!r} ({fix})")
 
-    def _require_factory(self) -> None:
+    def _require_factory(
+        self, factory_field: str = "factory", kwargs_field: str = "kwargs"
+    ) -> None:
         """factory is empty or package.module:function; kwargs is a JSON object without the
         keywords the pipeline passes itself. kwargs is stored in one canonical spelling."""
-        factory: str = self.factory  # type: ignore[attr-defined]
-        self._require("factory", not factory or bool(FACTORY.fullmatch(factory)), FACTORY_FIX)
-        kwargs = json_object(self.kwargs.strip() or "{}")  # type: ignore[attr-defined]
-        self._require("kwargs", kwargs is not None, 'give a JSON object such as {"depth": 4}')
+        factory: str = getattr(self, factory_field)
+        ok = not factory or bool(FACTORY.fullmatch(factory))
+        self._require(factory_field, ok, FACTORY_FIX)
+        kwargs = json_object(getattr(self, kwargs_field).strip() or "{}")
+        self._require(kwargs_field, kwargs is not None, 'give a JSON object such as {"depth": 4}')
         assert kwargs is not None
-        reserved = RESERVED_KWARGS[f"{self._name}.kwargs"]
+        reserved = RESERVED_KWARGS[f"{self._name}.{kwargs_field}"]
         taken = sorted(set(kwargs) & set(reserved))
-        self._require("kwargs", not taken, f"{', '.join(taken)} is passed by the pipeline")
-        object.__setattr__(self, "kwargs", json.dumps(kwargs, sort_keys=True))
+        self._require(kwargs_field, not taken, f"{', '.join(taken)} is passed by the pipeline")
+        object.__setattr__(self, kwargs_field, json.dumps(kwargs, sort_keys=True))

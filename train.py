@@ -51,6 +51,7 @@ from distributed import DistInfo
 from inputs import failures
 from instruments import Instruments
 from metrics import MetricsWriter
+from optim import ema, groups, schedules, spec
 from runpaths import RunPaths
 
 log = logging.getLogger("train")
@@ -85,13 +86,14 @@ class Trainer:
         # The strategy's one place: the model is wrapped before the optimizer, the weight
         # average or the checkpoint sees a parameter.
         model = build.build_model(cfg, splits, info, self.preprocess, self.layout)
+        self.param_groups = groups.plan(model, cfg.optim)  # frozen ones frozen before wrapping
         self.parallel = parallel.parallelize(
             model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
         )
         self.model = self.parallel.model
         self.build_optimization()
-        decay = cfg.train.ema_decay
-        self.ema = engine.WeightAverage(self.parallel.bare, decay) if decay else None
+        spans = self.samples_per_step, self.steps_per_epoch, lambda: self.total_steps
+        self.ema = ema.build(self.parallel.bare, cfg, *spans)  # None without train.ema_decay
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
         self.attempt = launch.Attempt.on_main(info, self.paths.root, lease, preemption)
         self.buffers = engine.BufferSnapshot(self.model)
@@ -143,12 +145,14 @@ class Trainer:
     def build_optimization(self) -> None:
         """Optimizer (over the parallelized model's parameters), LR schedule, AMP, loss."""
         cfg = self.cfg
-        kind, groups, settings = engine.optimizer_spec(
-            self.parallel.bare, cfg.optim, self.auto.optimizer_impl
+        kind, param_groups, settings = spec.optimizer_spec(
+            self.parallel.bare, cfg.optim, self.auto.optimizer_impl, self.param_groups
         )
-        self.optimizer = self.parallel.build_optimizer(kind, groups, **settings)
+        self.optimizer = self.parallel.build_optimizer(kind, param_groups, **settings)
         # The schedule's length is read at each step: resuming may change it (total_steps).
-        self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
+        self.scheduler = schedules.build_scheduler(
+            self.optimizer, cfg.optim, lambda: self.total_steps, self.steps_per_epoch
+        )
         self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(self.info.device, self.amp_dtype)
         self.loss_fn: nn.Module = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
@@ -271,7 +275,7 @@ class Trainer:
             if verdict.skip:
                 self.buffers.restore()
             elif self.ema is not None:
-                self.ema.update()
+                self.ema.after_step(self.position)  # the position before this step
             self.scheduler.step()
             self.position.step += 1
             self.position.samples_in_epoch += self.samples_per_step
@@ -290,7 +294,8 @@ class Trainer:
             self.load_weights(self.cfg.model.weights)
         self.checkpoints.total_steps = self.total_steps
         self.saved_step = self.position.step
-        self.warn_if_warmup_shortened()
+        run = self.cfg.optim, self.total_steps, self.steps_per_epoch
+        schedules.warn_if_warmup_shortened(*run, self.info.is_main)
         # Once resuming is settled (a refused run changes no file), before anything is trained.
         self.settle_run_dir()
         self.log_run()
@@ -323,21 +328,10 @@ class Trainer:
         elif ends != self.total_steps and self.info.is_main:  # the same on every rank
             log.warning(
                 "the run now ends at step %d instead of %d (train.epochs, train.max_steps or "
-                "the world size changed): the cosine learning-rate schedule is stretched to "
+                "the world size changed): the learning-rate schedule is stretched to "
                 "match",
                 self.total_steps,
                 resumed.meta["total_steps"],
-            )
-
-    def warn_if_warmup_shortened(self) -> None:
-        warmup = engine.warmup_steps(self.cfg.optim.warmup_steps, self.total_steps)
-        if warmup < self.cfg.optim.warmup_steps and self.info.is_main:
-            log.warning(
-                "optim.warmup_steps=%d is more than a quarter of this run's %d steps: warming "
-                "up over %d steps instead",
-                self.cfg.optim.warmup_steps,
-                self.total_steps,
-                warmup,
             )
 
     def settle_run_dir(self) -> None:
@@ -647,6 +641,8 @@ def read_config(argv: list[str]) -> Config:
     models.check(cfg.model)
     if cfg.data.factory:
         load_factory("data.factory", cfg.data.factory)
+    if cfg.optim.param_groups:
+        load_factory("optim.param_groups", cfg.optim.param_groups)
     return cfg
 
 

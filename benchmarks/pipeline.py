@@ -36,6 +36,7 @@ from benchmarks.common import Batch, Plan, Spread, Stats, interleaved, rates
 from ckpt import writer
 from config import Config, for_world_size
 from distributed import DistInfo
+from optim import schedules, spec
 
 # ---------------------------------------------------------------------------------------------
 # The pipeline side: the one place that knows train.py's API (adjust it when train.py changes)
@@ -133,7 +134,7 @@ class Bare:
 def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) -> Bare:
     """The reference loop, on a copy of the job's model taken before its first step.
 
-    The optimizer is written out here rather than taken from engine.build_optimizer, so that
+    The optimizer is written out here rather than taken from optim.spec.build_optimizer, so that
     the test's parameter comparison checks the pipeline against an independent statement of
     the math: SGD (momentum, Nesterov) or AdamW, weight decay on conv/linear weights only.
     """
@@ -148,7 +149,7 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
     ]
     o = cfg.optim
     optimizer: torch.optim.Optimizer
-    kernels = engine.optimizer_kernels(settings.optimizer_impl)  # same speed
+    kernels = spec.optimizer_kernels(settings.optimizer_impl)  # same speed
     if o.name == "sgd":
         nesterov = o.nesterov and o.momentum > 0
         optimizer = torch.optim.SGD(
@@ -161,7 +162,9 @@ def build_bare(cfg: Config, info: DistInfo, pipeline: Pipeline, stats: Stats) ->
         model=model,
         optimizer=optimizer,
         # The learning rates are not what the comparison is about: use the pipeline's schedule.
-        scheduler=engine.build_scheduler(optimizer, o, pipeline.schedule_steps),
+        scheduler=schedules.build_scheduler(
+            optimizer, o, pipeline.schedule_steps, pipeline.trainer.steps_per_epoch
+        ),
         scaler=torch.amp.GradScaler(info.device.type, enabled=pipeline.amp_dtype == torch.float16),
         batches=pipeline.batches,
         mean=mean,

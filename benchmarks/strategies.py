@@ -34,6 +34,7 @@ from ckpt import parts, sharded, single, storage, writer
 from config import DistConfig, ModelConfig, OptimConfig
 from distributed import DistInfo
 from model import build
+from optim import spec
 
 STRATEGIES = ("ddp", "zero", "fsdp")
 
@@ -163,7 +164,7 @@ def build_strategy(
     if not parallel.Layout.of(DistConfig(strategy=strategy), info).shards:  # see build_model
         model = model.to(info.device)
     par = parallel.parallelize(model, info, DistConfig(strategy=strategy))
-    kind, groups, settings = engine.optimizer_spec(
+    kind, groups, settings = spec.optimizer_spec(
         par.bare, OptimConfig(name="adamw"), auto.optimizer_impl("auto", info.device)
     )
     return par, par.build_optimizer(kind, groups, **settings)

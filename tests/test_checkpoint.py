@@ -19,6 +19,7 @@ from ckpt.atomic import CheckpointError
 from config import Config, OptimConfig
 from distributed import DistInfo
 from model import MiniResNet
+from optim import schedules, spec
 
 CPU = torch.device("cpu")
 
@@ -26,10 +27,10 @@ CPU = torch.device("cpu")
 def training_objects(seed: int = 0) -> tuple:
     torch.manual_seed(seed)
     model = MiniResNet(in_channels=1, num_classes=10, widths=(8, 16))
-    optimizer = engine.build_optimizer(
+    optimizer = spec.build_optimizer(
         model, OptimConfig(name="adamw", lr=1e-3, warmup_steps=2), "foreach"
     )
-    scheduler = engine.build_scheduler(optimizer, OptimConfig(warmup_steps=2), total_steps=20)
+    scheduler = schedules.build_scheduler(optimizer, OptimConfig(warmup_steps=2), total_steps=20)
     scaler = torch.amp.GradScaler("cpu", enabled=True, init_scale=1024.0)
     return model, optimizer, scheduler, scaler
 

@@ -16,6 +16,7 @@ import sharding
 from config import DataConfig, DistConfig, OptimConfig
 from distributed import DistInfo
 from model import MiniResNet
+from optim import spec
 
 pytestmark = pytest.mark.spawn
 
@@ -100,7 +101,7 @@ def test_accumulation_of_2_by_b_equals_one_step_of_2b() -> None:
 def _identical_after_steps(info: DistInfo) -> list[bool]:
     x, y = problem()
     model = distributed.wrap_model(fresh_model(norm="batch"), info)
-    optimizer = engine.build_optimizer(model, OptimConfig(), "foreach")
+    optimizer = spec.build_optimizer(model, OptimConfig(), "foreach")
     scaler = engine.make_scaler(info.device, None)
     for step in range(5):
         rows = slice((step * 2 + info.rank) * 8, (step * 2 + info.rank + 1) * 8)

@@ -202,11 +202,12 @@ def _accumulate(info, num_micro: int) -> tuple[int, dict[str, torch.Tensor]]:
     import engine
     import parallel
     from model import MiniResNet
+    from optim import spec
 
     torch.manual_seed(0)
     model = MiniResNet(in_channels=1, num_classes=10, widths=(4, 8), norm="group")
     par = parallel.parallelize(model, info, DistConfig(strategy="fsdp"))
-    optimizer = engine.build_optimizer(par.bare, OptimConfig(name="sgd", lr=0.1), "foreach")
+    optimizer = spec.build_optimizer(par.bare, OptimConfig(name="sgd", lr=0.1), "foreach")
     scaler = engine.make_scaler(info.device, None)
     # FSDP2 reduce-scatters through torch.distributed's module attribute: reduce_scatter_single
     # in torch 2.14 (fsdp/_fully_shard/_fsdp_collectives.py, DefaultReduceScatter),
@@ -459,14 +460,14 @@ def test_auto_units_are_the_repeated_block_class_holding_the_most_parameters() -
 
 
 def _fused_sgd_step(info) -> float:
-    import engine
     import parallel
     from model import MiniResNet
+    from optim import spec
 
     torch.manual_seed(0)
     model = MiniResNet(in_channels=1, num_classes=10, widths=(4, 8), norm="group")
     par = parallel.parallelize(model, info, DistConfig(strategy="fsdp"))
-    kind, groups, settings = engine.optimizer_spec(par.bare, OptimConfig(name="sgd"), "fused")
+    kind, groups, settings = spec.optimizer_spec(par.bare, OptimConfig(name="sgd"), "fused")
     optimizer = par.build_optimizer(kind, groups, **settings)
     loss = par.model(torch.randn(4, 1, 12, 12)).sum()
     loss.backward()

@@ -367,11 +367,11 @@ def test_a_warmup_longer_than_a_quarter_of_the_run_is_shortened() -> None:
     """By hand: 20 steps, warmup asked for 100, given 5; then cosine from step 5 to 19."""
     import math
 
-    import engine
+    from optim import schedules, spec
 
     model = torch.nn.Linear(2, 2)
-    optimizer = engine.build_optimizer(model, parse_args(["--optim.lr=1.0"]).optim, "foreach")
-    scheduler = engine.build_scheduler(optimizer, parse_args([]).optim, total_steps=20)
+    optimizer = spec.build_optimizer(model, parse_args(["--optim.lr=1.0"]).optim, "foreach")
+    scheduler = schedules.build_scheduler(optimizer, parse_args([]).optim, total_steps=20)
     lrs = []
     for _ in range(20):
         lrs.append(scheduler.get_last_lr()[0])
@@ -385,10 +385,10 @@ def test_a_warmup_longer_than_a_quarter_of_the_run_is_shortened() -> None:
 def test_weight_average_by_hand() -> None:
     """ema <- d x ema + (1 - d) x weights after each step, d = min(decay, (1 + n) / (10 + n));
     buffers come from the model as they are."""
-    import engine
+    from optim import ema
 
     model = torch.nn.BatchNorm1d(2)
-    average = engine.WeightAverage(model, decay=0.5)
+    average = ema.WeightAverage(model, decay=0.5)
     expected = model.weight.detach().clone()
     for n, value in enumerate((1.0, 3.0, -2.0, 5.0)):
         with torch.no_grad():
@@ -403,7 +403,7 @@ def test_weight_average_by_hand() -> None:
     assert model.weight.tolist() == [5.0, 5.0]  # the trained weights are back after the block
     saved = average.state_dict()
     assert saved["weights"]["running_mean"].tolist() == [7.0, 7.0]  # a loadable state_dict
-    restored = engine.WeightAverage(torch.nn.BatchNorm1d(2), decay=0.5)
+    restored = ema.WeightAverage(torch.nn.BatchNorm1d(2), decay=0.5)
     restored.load_state_dict(saved)
     assert restored.updates == 4
     torch.testing.assert_close(restored.state_dict()["weights"]["weight"], expected)
@@ -434,13 +434,13 @@ def test_turning_the_weight_average_on_at_a_resume_starts_it_from_the_resumed_we
     """A checkpoint written without train.ema_decay resumes with it: the average starts from
     the weights just loaded (a warning says so) instead of the run failing on a missing part.
     Any other missing part is still refused."""
-    import engine
+    from optim import ema
 
     cfg = Config()
     model = torch.nn.Linear(2, 2)
     saved = saved_state(cfg, model={"weight": torch.full((2, 2), 3.0), "bias": torch.zeros(2)})
     manager, _ = manager_with(cfg, model=parts.ModelState(model))
-    average = engine.WeightAverage(model, decay=0.9)
+    average = ema.WeightAverage(model, decay=0.9)
     manager.register("ema", average, ("train.ema_decay", average.restart))
     with caplog.at_level("WARNING"):
         manager.restore(Path("c.pt"), saved)
