@@ -33,7 +33,12 @@ def image_shape(shape: tuple[int, ...]) -> bool:
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 FACTORY_FIX = "write package.module:function"
-RESERVED_KWARGS = {"model.kwargs": ("in_channels", "num_classes"), "data.kwargs": ("root",)}
+RESERVED_KWARGS = {
+    "model.kwargs": ("in_channels", "num_classes"),
+    "data.kwargs": ("root",),
+    "loss.kwargs": ("num_classes",),
+    "metrics.kwargs": ("num_classes",),
+}
 
 
 def json_object(text: str) -> dict[str, Any] | None:
