@@ -131,9 +131,10 @@ def flops_per_sample(model: nn.Module, sample: torch.Tensor, loss_fn: nn.Module)
     probe = copy.deepcopy(distributed.unwrap_model(model)).train()
     batch = sample[:2]
     counter = FlopCounterMode(display=False)
-    with counter:
-        logits = probe(batch)
-        loss_fn(logits, torch.zeros(len(batch), dtype=torch.long, device=batch.device)).backward()
+    labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
+    inputs = loss_fn.inputs(batch, labels) if hasattr(loss_fn, "inputs") else (batch,)
+    with counter:  # the model's arguments as the objective gives them (objective.losses)
+        loss_fn(probe(*inputs), labels).backward()
     return counter.get_total_flops() / len(batch)
 
 

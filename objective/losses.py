@@ -13,7 +13,6 @@ cross-entropy for a factory's or the model's loss.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from config import Config, ConfigError, load_factory
+from config import Config, ConfigError
 from objective import metrics, targets
 from objective.metrics import UserMetric
 
@@ -163,7 +162,7 @@ def _factory(spec: str, kwargs: str, num_classes: int, sample: torch.Tensor) -> 
     """loss.factory's loss, called once on zero logits and `sample`: a differentiable 0-d
     tensor, or bad input naming the key and what came back."""
     where = f"loss.factory={spec}"
-    made = load_factory("loss.factory", spec)(num_classes=num_classes, **json.loads(kwargs))
+    made = metrics.make("loss.factory", spec, kwargs, num_classes)
     if not callable(made):
         raise ConfigError(f"{where} returned {type(made).__name__}, not a callable loss")
     logits = torch.zeros(len(sample), num_classes, device=sample.device, requires_grad=True)

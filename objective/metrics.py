@@ -9,6 +9,7 @@ in train and eval rows. The logits are detached float32 [N, C]; targets as targe
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -91,15 +92,29 @@ def _pair(
     return out[0], out[1]
 
 
+def make(key: str, spec: str, kwargs: str, num_classes: int) -> Any:
+    """What the factory `spec` (config key `key`) returns for num_classes and the kwargs; a
+    keyword it does not take is bad input naming the key, not a TypeError."""
+    factory = load_factory(key, spec)
+    given = json.loads(kwargs)
+    try:
+        inspect.signature(factory).bind(num_classes=num_classes, **given)
+    except TypeError as err:
+        section = key.partition(".")[0]
+        fix = f"{key}={spec} cannot be called with {section}.kwargs={kwargs}: {err}"
+        raise ConfigError(fix) from None
+    except ValueError:  # no signature to check (a builtin): the call will say
+        pass
+    return factory(num_classes=num_classes, **given)
+
+
 def load(cfg: MetricsConfig, num_classes: int, sample: torch.Tensor) -> UserMetric | None:
     """metrics.factory's metric, called once on zero logits and `sample` (one batch of real
     targets): names that are identifiers and no built-in row field, (sum, count) pairs."""
     if not cfg.factory:
         return None
     where = f"metrics.factory={cfg.factory}"
-    made = load_factory("metrics.factory", cfg.factory)(
-        num_classes=num_classes, **json.loads(cfg.kwargs)
-    )
+    made = make("metrics.factory", cfg.factory, cfg.kwargs, num_classes)
     if not callable(made):
         raise ConfigError(f"{where} returned {type(made).__name__}, not a callable metric")
     logits = torch.zeros(len(sample), num_classes, device=sample.device)

@@ -9,11 +9,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import final_state, launch, rows, run_ranks, tiny_job_args
 from torch import nn
 
 import engine
+import exitcodes
 import model as models
-from config import IGNORED, Config, LossConfig, ModelConfig
+from config import IGNORED, Config, LossConfig, MetricsConfig, ModelConfig
 from objective import losses, targets
 from schema import ConfigError
 
@@ -77,9 +79,9 @@ def test_focal_focuses_on_hard_samples() -> None:
     assert ratio_focal > 10 * ratio_ce
 
 
-def objective_of(**loss: object) -> losses.Objective:
+def objective_of(num_classes: int = 4, **loss: object) -> losses.Objective:
     cfg = Config(loss=LossConfig(**loss))  # type: ignore[arg-type]
-    return losses.build(cfg, 4, INDEX, CPU)
+    return losses.build(cfg, num_classes, INDEX, CPU)
 
 
 def test_class_weights_are_torchs_weighted_cross_entropy() -> None:
@@ -168,3 +170,137 @@ def test_googlenet_aux_loss_is_main_plus_weighted_aux_by_hand_and_trains_a_step(
     moved = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
     assert all(moved)  # the auxiliary heads' parameters included
     assert model.eval()(images).shape == (4, 5)  # evaluation: plain logits
+
+
+def f1_objective() -> losses.Objective:
+    cfg = Config(metrics=MetricsConfig(factory="examples.custom_objective:f1_counts"))
+    return losses.build(cfg, 5, torch.tensor([0, 1]), CPU)
+
+
+def eval_set() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(3)
+    labels = torch.randint(0, 5, (37,))
+    labels[[4, 20]] = IGNORED
+    return nn.Linear(8, 5), torch.randn(37, 8), labels
+
+
+def evaluate_shard(info) -> dict[str, float]:
+    """This rank's share of eval_set (every world_size-th sample, batches of 4), evaluated."""
+    model, images, labels = eval_set()
+    objective = f1_objective()  # built by each rank, as the Trainer builds it
+    mine = slice(info.rank, None, info.world_size)
+    batches = zip(images[mine].split(4), labels[mine].split(4), strict=True)
+    result = engine.evaluate(model, batches, CPU, None, num_classes=5, objective=objective)
+    return {"f1": result.metrics["f1"], "loss": result.loss, "n": result.num_samples}
+
+
+@pytest.mark.parametrize(
+    "world_size",
+    [1, pytest.param(2, marks=pytest.mark.spawn), pytest.param(3, marks=pytest.mark.spawn)],
+)
+def test_the_metric_factory_equals_a_hand_count_at_any_world_size(tmp_path, world_size) -> None:
+    model, images, labels = eval_set()
+    tp = wrong = 0
+    for logit_row, label in zip(model(images).tolist(), labels.tolist(), strict=True):
+        if label == IGNORED:
+            continue
+        predicted = logit_row.index(max(logit_row))
+        tp += predicted == label
+        wrong += 2 * (predicted != label)  # a false positive and a false negative
+    results = run_ranks(evaluate_shard, world_size, tmp_path)
+    for result in results:  # every rank holds the whole evaluation's figures
+        assert result["f1"] == pytest.approx(2 * tp / (2 * tp + wrong), rel=1e-12)
+        assert result["n"] == 35
+
+
+def test_evaluation_reports_the_focal_loss_without_smoothing_or_weights() -> None:
+    model, images, labels = eval_set()
+    objective = objective_of(5, name="focal", gamma=2.0, class_weights=(1.0, 2.0, 1.0, 1.0, 1.0))
+    result = engine.evaluate(model, [(images, labels)], CPU, None, objective=objective)
+    hand = hand_focal(model(images).detach(), labels, 2.0)  # the mean per counted sample
+    assert result.loss == pytest.approx(hand, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs (train.py as a subprocess)
+
+F1 = "examples.custom_objective:f1_counts"
+
+
+@pytest.mark.e2e
+def test_focal_loss_with_class_weights_and_a_metric_trains_at_two_ranks(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    args = tiny_job_args(
+        run_dir,
+        loss_name="focal",
+        loss_class_weights=[1, 2, 1, 1, 1, 1, 1, 1, 1, 1],
+        metrics_factory=F1,
+        train_max_steps=8,
+        log_every_steps=4,
+    )
+    done = launch(2, *args)
+    assert done.returncode == 0, done.output[-3000:]
+    for row in rows(run_dir, "train") + rows(run_dir, "eval"):
+        assert 0 <= row["accuracy"] <= row["top5"] <= 1 and 0 <= row["f1"] <= 1, row
+        assert math.isfinite(row["loss"])
+    assert " top5 " in done.output and " f1 " in done.output  # the log lines say them too
+    report = (run_dir / "eval_report.json").read_text()
+    assert '"f1": ' in report
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"loss_factory": "examples.custom_objective:poly1", "loss_kwargs": '{"epsilon": 2.0}'},
+        {"loss_name": "model", "model_factory": "examples.custom_objective:self_scoring_cnn"},
+    ],
+    ids=["loss.factory", "loss.name=model"],
+)
+def test_a_loss_factory_and_a_model_computed_loss_train(tmp_path, settings) -> None:
+    run_dir = tmp_path / "run"
+    if "model_factory" in settings:
+        settings = {**settings, "model_widths": None}  # a mini_resnet setting
+    done = launch(None, *tiny_job_args(run_dir, train_max_steps=6, log_every_steps=3, **settings))
+    assert done.returncode == 0, done.output[-3000:]
+    train = rows(run_dir, "train")
+    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
+    assert 0 <= rows(run_dir, "eval")[-1]["top5"] <= 1
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--loss.class_weights=1,2,3", "loss.class_weights: 1.0,2.0,3.0 gives 3 weights"),
+        ("--loss.factory=examples.custom_objective:poly2", "has no function 'poly2'"),
+        ("--metrics.factory=nowhere.at_all:f1", "cannot import module 'nowhere.at_all'"),
+        ('--metrics.kwargs={"top": 2}', "unexpected keyword argument 'top'"),
+    ],
+    ids=["class_weights", "loss.factory", "metrics.factory", "metrics.kwargs"],
+)
+def test_a_bad_objective_is_exit_2_naming_key_and_value(tmp_path, flag, says) -> None:
+    args = tiny_job_args(tmp_path / "run", f"--metrics.factory={F1}", flag, train_max_steps=1)
+    done = launch(None, *args)
+    assert done.returncode == exitcodes.EXIT_BAD_INPUT, done.output[-3000:]
+    assert says in done.output
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+
+
+@pytest.mark.e2e
+def test_a_preempted_focal_run_resumes_exactly(tmp_path) -> None:
+    """The focal loss and the metric hold no state: a run stopped by SIGTERM and resumed ends
+    bit for bit where an uninterrupted one does."""
+    from helpers import assert_same_training_state
+
+    settings = {"loss_name": "focal", "loss_gamma": 1.5, "metrics_factory": F1, "train_epochs": 2}
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    assert launch(None, *tiny_job_args(reference, **settings)).returncode == 0
+    first = launch(None, *tiny_job_args(run_dir, **settings), faults="sigterm@step=5")
+    assert first.returncode == exitcodes.EXIT_PREEMPTED, first.output[-3000:]
+    second = launch(None, *tiny_job_args(run_dir, **settings))
+    assert second.returncode == 0, second.output[-3000:]
+    assert_same_training_state(final_state(run_dir), final_state(reference))
+    assert [r["f1"] for r in rows(run_dir, "eval")] == [r["f1"] for r in rows(reference, "eval")]
