@@ -80,3 +80,26 @@ class SelfScoringCNN(nn.Module):
 
 def self_scoring_cnn(*, in_channels: int, num_classes: int, width: int = 16) -> nn.Module:
     return SelfScoringCNN(in_channels, num_classes, width)
+
+
+def bright_quadrants(*, root: str, size: int = 16, num_train: int = 512, num_eval: int = 128):
+    """data.factory for multi-label data (loss.name=bce): gray images whose four quadrants are
+    each bright or dark at random; label c is on when quadrant c is bright (a multi-hot row of
+    four floats). Drawn from a fixed seed: every rank builds the same samples. `root` unused."""
+    generator = torch.Generator().manual_seed(0)
+
+    def split(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        on = torch.rand(n, 4, generator=generator) < 0.4
+        noise = torch.randint(0, 90, (n, 1, size, size), generator=generator, dtype=torch.uint8)
+        images = noise.clone()
+        half = size // 2
+        for c, (top, left) in enumerate([(0, 0), (0, half), (half, 0), (half, half)]):
+            images[on[:, c], :, top : top + half, left : left + half] += 120
+        return list(zip(images, on.float(), strict=True))
+
+    return {
+        "train": split(num_train),
+        "eval": split(num_eval),
+        "num_classes": 4,
+        "input_shape": (1, size, size),
+    }

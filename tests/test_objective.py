@@ -304,3 +304,41 @@ def test_a_preempted_focal_run_resumes_exactly(tmp_path) -> None:
     assert second.returncode == 0, second.output[-3000:]
     assert_same_training_state(final_state(run_dir), final_state(reference))
     assert [r["f1"] for r in rows(run_dir, "eval")] == [r["f1"] for r in rows(reference, "eval")]
+
+
+def test_multi_hot_labels_of_a_data_factory_are_checked_and_served_as_float_rows() -> None:
+    from inputs.user import BadLabel, SampleChecked, check_labels
+
+    image = torch.zeros(1, 8, 8, dtype=torch.uint8)
+    row = torch.tensor([1.0, 0.0, 1.0])
+    check_labels("d", [row, torch.tensor([0.0, 0.0, 0.0])], 3)
+    with pytest.raises(BadLabel, match=r"d\[1\] has label .*float tensors of 3 values"):
+        check_labels("d", [row, torch.tensor([1.0, 0.0])], 3)  # another length
+    with pytest.raises(BadLabel, match=r"d\[1\] has label 2"):
+        check_labels("d", [row, 2], 3)  # kinds mixed: a batch could not stack them
+    with pytest.raises(BadLabel, match=r"d\[0\] has label"):
+        check_labels("d", [torch.tensor([1.5, 0.0, 0.0])], 3)  # outside [0, 1]
+    served = SampleChecked([(image, row.double())], "d", 3, (1, 8, 8))[0][1]
+    assert served.dtype == torch.float32 and torch.equal(served, row)
+
+
+@pytest.mark.e2e
+def test_bce_multi_label_trains_at_two_ranks_and_evaluates(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    args = tiny_job_args(
+        run_dir,
+        data_dataset=None,
+        data_synthetic_train_size=None,
+        data_synthetic_eval_size=None,
+        data_factory="examples.custom_objective:bright_quadrants",
+        loss_name="bce",
+        metrics_factory=F1,
+        train_epochs=3,
+        log_every_steps=8,
+    )
+    done = launch(2, *args)
+    assert done.returncode == 0, done.output[-3000:]
+    evals = rows(run_dir, "eval")
+    assert len(evals) == 3 and all(r["num_samples"] == 128 for r in evals)
+    assert evals[-1]["loss"] < evals[0]["loss"]  # it learns from multi-hot targets
+    assert all(0 <= r["f1"] <= 1 for r in evals + rows(run_dir, "train"))
