@@ -97,8 +97,6 @@ class LossConfig(Section):
         aux_ok = 0 < finite(self.aux_weight) <= 10
         self._require("aux_weight", aux_ok, "must be in (0, 10]; aux_logits false drops them")
         self._require_factory()
-        plain = not self.factory or self.name == "cross_entropy"
-        self._require("name", plain, "loss.factory replaces it: leave loss.name out")
 
 
 @dataclass(frozen=True)

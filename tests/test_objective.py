@@ -342,3 +342,23 @@ def test_bce_multi_label_trains_at_two_ranks_and_evaluates(tmp_path) -> None:
     assert len(evals) == 3 and all(r["num_samples"] == 128 for r in evals)
     assert evals[-1]["loss"] < evals[0]["loss"]  # it learns from multi-hot targets
     assert all(0 <= r["f1"] <= 1 for r in evals + rows(run_dir, "train"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--loss.gamma=1"], "loss.gamma=1 is for loss.name=focal only"),
+        (["--loss.name=bce", "--optim.label_smoothing=0.2"], "for loss.name=cross_entropy and"),
+        (["--loss.name=model", "--loss.class_weights=1,2"], "this run has loss.name=model"),
+        ([f"--loss.factory={F1}", "--loss.name=focal"], "for a run without loss.factory only"),
+        (["--loss.aux_weight=0"], "invalid value for loss.aux_weight: 0.0"),
+        (["--loss.class_weights=1,-1"], "invalid value for loss.class_weights: (1.0, -1.0)"),
+        (['--loss.kwargs={"num_classes": 3}', f"--loss.factory={F1}"], "num_classes is passed"),
+    ],
+)
+def test_objective_settings_a_run_would_ignore_or_cannot_use_are_refused(argv, says) -> None:
+    from cli import parse_args
+
+    with pytest.raises(ConfigError) as refused:
+        parse_args(argv)
+    assert says in str(refused.value)
