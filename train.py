@@ -151,8 +151,7 @@ class Trainer:
         self.scheduler = engine.build_scheduler(self.optimizer, cfg.optim, lambda: self.total_steps)
         self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(self.info.device, self.amp_dtype)
-        sample = losses.sample_targets(splits.eval)  # the loss.* and metrics.* checks' batch
-        self.loss_fn = losses.build(cfg, self.num_classes, sample, self.info.device)
+        self.loss_fn = losses.build(cfg, self.num_classes, splits.eval, self.info.device)
 
     def build_checkpointing(
         self, lease: rundir.Lease | None, data_fingerprint: str, classes: list[str] | None

@@ -119,10 +119,16 @@ def as_objective(loss_fn: LossFn | Objective) -> Objective:
     return loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
 
 
-def build(cfg: Config, num_classes: int, sample: torch.Tensor, device: torch.device) -> Objective:
-    """The run's objective, checked before training on `sample` (one batch of real targets):
-    class weights against the dataset's classes, loss.factory and metrics.factory by a call."""
+def build(
+    cfg: Config, num_classes: int, eval_set: Sequence[Any] | torch.Tensor, device: torch.device
+) -> Objective:
+    """The run's objective, checked before training: class weights against the dataset's
+    classes; loss.factory and metrics.factory by a call on a batch of real targets (those of
+    the first samples of `eval_set`, read only then; or the targets given as a tensor)."""
     section, smoothing = cfg.loss, cfg.optim.label_smoothing
+    sample = torch.zeros(0, dtype=torch.long)
+    if section.factory or cfg.metrics.factory:
+        sample = eval_set if isinstance(eval_set, torch.Tensor) else sample_targets(eval_set)
     weights = section.class_weights
     if weights and len(weights) != num_classes:
         raise ConfigError(
