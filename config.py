@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import exitcodes
-from recipe import OptimConfig
+from recipe import LossConfig, MetricsConfig, OptimConfig
 from schema import (  # re-exported: the rest of the pipeline imports them from here
     FACTORY,
     FACTORY_FIX,
@@ -51,6 +51,8 @@ __all__ = [
     "DataConfig",
     "DistConfig",
     "LogConfig",
+    "LossConfig",
+    "MetricsConfig",
     "ModelConfig",
     "OptimConfig",
     "RunConfig",
@@ -511,6 +513,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     dist: DistConfig = field(default_factory=DistConfig)

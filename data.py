@@ -154,7 +154,8 @@ def fingerprint(splits: DataSplits) -> str:
             for index in sorted({0, len(dataset) // 2, len(dataset) - 1}):  # type: ignore[arg-type]
                 image, label = dataset[index]
                 as_bytes = image.detach().cpu().contiguous().view(torch.uint8)  # any dtype
-                digest.update(as_bytes.numpy().tobytes() + str(int(label)).encode())
+                value = label.tolist() if isinstance(label, torch.Tensor) else int(label)
+                digest.update(as_bytes.numpy().tobytes() + str(value).encode())
         digest.update(str(len(dataset)).encode())  # type: ignore[arg-type]
     return digest.hexdigest()[:12]
 

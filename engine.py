@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +20,8 @@ import distributed
 import parallel
 import scoring
 import sharding
-from config import IGNORED, ConfigError
+from config import ConfigError
+from objective import losses, targets
 from scoring import EvalResult
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -45,6 +47,9 @@ class StepStats:
     num_samples: int  # samples in the batches, counted or not
     grad_norm: torch.Tensor  # global gradient L2 norm before clipping
     labelled: torch.Tensor  # samples counted in loss_sum and correct (not IGNORED)
+    top5: torch.Tensor | None = None  # this rank's training samples with a top-5 hit
+    metric: torch.Tensor | None = None  # metrics.factory's [sum, count] pairs (objective)
+    metric_names: tuple[str, ...] = ()  # their names
 
 
 def forward_backward(
@@ -52,7 +57,7 @@ def forward_backward(
     micro_batches: Sequence[Batch],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
-    loss_fn: nn.Module,
+    loss_fn: Callable[..., Any],
     amp_dtype: torch.dtype | None,
     grad_clip: float,
 ) -> StepStats:
@@ -65,27 +70,34 @@ def forward_backward(
     """
     device = micro_batches[0][0].device
     num_micro = len(micro_batches)
+    objective = losses.as_objective(loss_fn)  # a plain (logits, targets) -> loss, or more
     loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
-    labelled = torch.zeros((), device=device, dtype=torch.long)
+    correct, top5, labelled = torch.zeros(3, device=device, dtype=torch.long).unbind()
+    metric = None
     parallel.sync_buffers(model)  # fsdp: rank 0's BatchNorm statistics, as DDP gives them
     for i, (images, labels) in enumerate(micro_batches):
         # Only the last micro-step reduces the gradients; forward AND backward sit inside.
         with parallel.gradient_sync(model, enabled=i == num_micro - 1):
             with autocast(device, amp_dtype):
-                logits = _forward(model, images)
-                loss = loss_fn(logits, labels)
+                outputs = _forward(model, *objective.inputs(images, labels))
+                logits, loss = objective.split(outputs, labels)
             scaler.scale(loss / num_micro).backward()
-        counted = (labels != IGNORED).sum()  # the loss is the mean over these
+        counted = targets.counted(labels).sum()  # the loss is the mean over these
         loss_sum += loss.detach().float() * counted
-        correct += (logits.detach().argmax(dim=1) == labels).sum()
+        predicted = logits.detach().argmax(dim=1, keepdim=True)
+        correct += targets.hits(predicted, labels).sum()
+        top5 += targets.hits(targets.top(logits.detach()), labels).any(dim=1).sum()
         labelled += counted
+        if objective.metric is not None:
+            batch = objective.metric.measure(logits, labels)
+            metric = batch if metric is None else metric + batch
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     max_norm = grad_clip if grad_clip > 0 else math.inf
     # Under fsdp the norm is a DTensor: its whole value, the same on every rank.
     grad_norm = sharding.full_tensor(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     num_samples = sum(len(labels) for _, labels in micro_batches)
-    return StepStats(loss_sum, correct, num_samples, grad_norm, labelled)
+    names = objective.metric.names if objective.metric is not None else ()
+    return StepStats(loss_sum, correct, num_samples, grad_norm, labelled, top5, metric, names)
 
 
 # DDP's own words when the previous step left a parameter without its gradient
@@ -93,11 +105,11 @@ def forward_backward(
 _UNUSED = "Expected to have finished reduction in the prior iteration"
 
 
-def _forward(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+def _forward(model: nn.Module, *inputs: torch.Tensor) -> Any:
     """The model's forward; DDP's error for parameters unused in the previous step (a model
     whose used parameters change from step to step) as bad input naming the setting."""
     try:
-        return model(images)
+        return model(*inputs)
     except RuntimeError as err:
         if _UNUSED not in str(err):
             raise
@@ -143,7 +155,7 @@ def train_step(
     micro_batches: Sequence[Batch],
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
-    loss_fn: nn.Module,
+    loss_fn: Callable[..., Any],
     amp_dtype: torch.dtype | None,
     grad_clip: float,
 ) -> StepStats:
@@ -163,12 +175,14 @@ def evaluate(
     input_shape: Sequence[int] | None = None,
     num_classes: int = 0,
     confusion: bool = False,
+    objective: losses.Objective | None = None,
 ) -> EvalResult:
     """Exact loss, top-1 and top-5 accuracy over every rank's shard (scoring.EvalCounts: sums
     all-reduced, no padding); per-class counts when `num_classes` is given (the same on every
     rank), and the confusion matrix with `confusion`. `flip`: the logits are the mean of the
     image's and its mirror image's (test-time augmentation, data.eval_flip). `input_shape`: one
-    sample's, for the empty batches of a sharded model.
+    sample's, for the empty batches of a sharded model. `objective`: the run's, for its
+    evaluation loss and metrics.factory (default: cross-entropy, as always).
 
     Runs the bare module: a forward through the DDP wrapper would broadcast buffers, a
     collective that ranks with fewer evaluation batches would never join.
@@ -176,7 +190,7 @@ def evaluate(
     bare = distributed.unwrap_model(model)
     was_training = bare.training
     bare.eval()
-    counts = scoring.EvalCounts(device, num_classes, confusion)
+    counts = scoring.EvalCounts(device, num_classes, confusion, objective)
     # Under fsdp a forward is a collective (each unit gathers its parameters): a rank whose
     # shard has run out of batches runs empty ones until every rank's has.
     sharded = parallel.is_sharded(bare)

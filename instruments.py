@@ -248,12 +248,14 @@ class Instruments:
             figures["allreduce_ms"] = None
             comm = "collectives inside fwd+bwd"
         log.info(
-            "step %d epoch %d loss %.4f acc %.4f lr %.4g %.0f samples/s data-wait %.1f%% "
-            "step %.1f ms (fwd+bwd %.1f, optimizer %.1f, %s)%s",
+            "step %d epoch %d loss %.4f acc %.4f top5 %.4f%s lr %.4g %.0f samples/s data-wait "
+            "%.1f%% step %.1f ms (fwd+bwd %.1f, optimizer %.1f, %s)%s",
             pos.step,
             pos.epoch,
             figures["loss"],
             figures["accuracy"],
+            figures["top5"],
+            _named(figures, self.meter.metric_names),
             lr,
             figures["samples_per_s"],
             100 * figures["data_wait_frac"],
@@ -283,13 +285,14 @@ class Instruments:
         totals, per_rank = ledger.totals()
         pos = self.position
         log.info(
-            "eval step %d epoch %d loss %.4f accuracy %.4f top-5 %.4f on %d samples; epoch "
+            "eval step %d epoch %d loss %.4f accuracy %.4f top-5 %.4f%s on %d samples; epoch "
             "trained on %d samples, digest %s",
             pos.step,
             pos.epoch,
             result.loss,
             result.accuracy,
             result.top5,
+            _named(result.metrics, tuple(result.metrics)),
             result.num_samples,
             totals[0],
             parts.digest(totals),
@@ -303,6 +306,7 @@ class Instruments:
                 "loss": result.loss,
                 "accuracy": result.accuracy,
                 "top5": result.top5,
+                **result.metrics,
                 "num_samples": result.num_samples,
                 "epoch_samples_seen": totals[0],
                 "epoch_sample_digest": parts.digest(totals),
@@ -339,6 +343,11 @@ class Instruments:
                 self.peak_flops / 1e12,
                 source,
             )
+
+
+def _named(figures: dict[str, Any], names: Sequence[str]) -> str:
+    """metrics.factory's figures for a log line: ' name value' each."""
+    return "".join(f" {name} {figures[name]:.4f}" for name in names)
 
 
 def _profiler(

@@ -131,9 +131,10 @@ def flops_per_sample(model: nn.Module, sample: torch.Tensor, loss_fn: nn.Module)
     probe = copy.deepcopy(distributed.unwrap_model(model)).train()
     batch = sample[:2]
     counter = FlopCounterMode(display=False)
-    with counter:
-        logits = probe(batch)
-        loss_fn(logits, torch.zeros(len(batch), dtype=torch.long, device=batch.device)).backward()
+    labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
+    inputs = loss_fn.inputs(batch, labels) if hasattr(loss_fn, "inputs") else (batch,)
+    with counter:  # the model's arguments as the objective gives them (objective.losses)
+        loss_fn(probe(*inputs), labels).backward()
     return counter.get_total_flops() / len(batch)
 
 
@@ -196,13 +197,16 @@ class TrainMeter:
     def __init__(self, device: torch.device, world_size: int) -> None:
         self.device = device
         self.world_size = world_size
+        self.metric_names: tuple[str, ...] = ()  # metrics.factory's, from the first step
+        self.metric_size = 0
         self._reset()
 
     def _reset(self) -> None:
         # loss sum, correct and samples of applied steps; data-wait seconds, step seconds,
         # samples of all steps (skipped ones too), seconds of forward+backward, of the
-        # optimizer and of gradient all-reduce, steps -- summed over ranks in `reduce`
-        self.totals = torch.zeros(10, device=self.device, dtype=torch.float64)
+        # optimizer and of gradient all-reduce, steps; top-5 hits; then metrics.factory's
+        # [sum, count] pairs -- summed over ranks in `reduce`
+        self.totals = torch.zeros(11 + self.metric_size, device=self.device, dtype=torch.float64)
         self.allreduce_s = 0.0
         self.steps = 0
         self.data_wait_s = 0.0
@@ -212,12 +216,19 @@ class TrainMeter:
 
     def update(self, stats: StepStats, data_wait_s: float, skipped: bool = False) -> None:
         """Add one step. A skipped step's (non-finite) loss stays out of the averages."""
+        if stats.metric is not None and not self.metric_size:  # the same shape on every rank
+            self.metric_size, self.metric_names = len(stats.metric), stats.metric_names
+            self.totals = torch.cat([self.totals, torch.zeros_like(stats.metric)])
         if skipped:
             self.skipped += 1  # the same on every rank: the skip decision is global
         else:
             self.totals[0] += stats.loss_sum
             self.totals[1] += stats.correct
             self.totals[2] += stats.labelled
+            if stats.top5 is not None:
+                self.totals[10] += stats.top5
+            if stats.metric is not None:
+                self.totals[11:] += stats.metric
         self.samples += stats.num_samples
         self.data_wait_s += data_wait_s
         self.steps += 1
@@ -238,14 +249,18 @@ class TrainMeter:
         self.totals[8] = self.allreduce_s
         self.totals[9] = self.steps
         skipped = self.skipped
-        values = distributed.all_reduce_sum(self.totals).tolist()
-        loss_sum, correct, samples, wait, busy, all_samples, fwd_bwd, opt, allreduce, steps = values
+        reduced = distributed.all_reduce_sum(self.totals).tolist()
+        loss_sum, correct, samples, wait, busy, all_samples, fwd_bwd, opt, allreduce, steps = (
+            reduced[:10]
+        )
+        top5, metric = reduced[10], reduced[11:]
         self._reset()
         mean_elapsed = busy / self.world_size
         per_step_ms = 1000 / steps if steps else 0.0  # sums over ranks / (steps x ranks) x ranks
         return {
             "loss": loss_sum / samples if samples else float("nan"),
             "accuracy": correct / samples if samples else float("nan"),
+            "top5": top5 / samples if samples else float("nan"),
             "samples_per_s": all_samples / mean_elapsed if mean_elapsed > 0 else 0.0,
             "data_wait_frac": wait / busy if busy > 0 else 0.0,
             "skipped_steps": skipped,
@@ -254,6 +269,10 @@ class TrainMeter:
             "fwd_bwd_ms": fwd_bwd * per_step_ms,
             "optimizer_ms": opt * per_step_ms,
             "allreduce_ms": allreduce * per_step_ms,
+            **{  # metrics.factory's: name = sum / count
+                name: metric[2 * i] / metric[2 * i + 1] if metric[2 * i + 1] else float("nan")
+                for i, name in enumerate(self.metric_names)
+            },
         }
 
 

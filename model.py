@@ -220,12 +220,10 @@ def _torchvision(
     from torchvision import models
 
     if name in ("googlenet", "inception_v3"):
-        # Their auxiliary classifiers make training-mode outputs namedtuples of logits. This
-        # pipeline trains the main classifier only, as torchvision itself builds them for its
-        # pretrained weights (googlenet() and inception_v3() in torchvision/models/googlenet.py
-        # and inception.py set aux_logits False and the heads to None after loading); and its
-        # reference script (references/classification/train.py, train_one_epoch) passes the
-        # model's output straight to the criterion, so it has no recipe for them either.
+        # Built without their auxiliary classifiers unless model.kwargs turns them on, as
+        # torchvision builds them for its pretrained weights (googlenet() and inception_v3()
+        # set aux_logits False and the heads to None after loading). On, their training-mode
+        # outputs are namedtuples, which objective.losses weighs with loss.aux_weight.
         kwargs = {"aux_logits": False, **kwargs}
     _check_patch_size(name, kwargs)
     try:  # weights=None: built untrained, nothing is downloaded
@@ -347,19 +345,16 @@ def _check_training(
                 f"{what} fails in training mode on a batch of two {shape} inputs "
                 f"({type(err).__name__}: {err})"
             ) from None
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        logits = _training_logits(out, num_classes)
+        if not logits:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            fix = (
-                "its auxiliary classifiers are on: leave aux_logits out of model.kwargs (or set "
-                "it false)"
-                if hasattr(model, "aux_logits")
-                else "return the logits alone in training mode as in evaluation"
-            )
             raise ConfigError(
                 f"{what} returns {got} in training mode for a batch of two {shape} inputs, not "
-                f"logits of shape (2, {num_classes}): {fix}"
+                f"logits of shape (2, {num_classes}), nor a namedtuple of such logits, the "
+                "main ones first (auxiliary classifiers): return the logits in training mode "
+                "as in evaluation"
             )
-        out.float().sum().backward()
+        sum(x.float().sum() for x in logits).backward()
         _check_gradients(model, what, unused_ok)
     finally:
         with torch.no_grad():
@@ -369,6 +364,16 @@ def _check_training(
             p.grad = None
         torch.set_rng_state(rng)
         model.train(was_training)
+
+
+def _training_logits(out: Any, num_classes: int) -> list[torch.Tensor]:
+    """The logits a training-mode output holds: the tensor, or every tensor of a namedtuple
+    with auxiliary logits (googlenet's GoogLeNetOutputs, inception_v3's InceptionOutputs);
+    empty when any is not of shape (2, num_classes)."""
+    aux = isinstance(out, tuple) and hasattr(out, "_fields")
+    found = [x for x in out if x is not None] if aux else [out]
+    shaped = all(isinstance(x, torch.Tensor) and x.shape == (2, num_classes) for x in found)
+    return found if found and shaped else []
 
 
 def _check_gradients(model: nn.Module, what: str, unused_ok: bool) -> None:

@@ -37,6 +37,8 @@ RESERVED_KWARGS = {
     "model.kwargs": ("in_channels", "num_classes"),
     "data.kwargs": ("root",),
     "optim.param_groups_kwargs": ("model",),
+    "loss.kwargs": ("num_classes",),
+    "metrics.kwargs": ("num_classes",),
 }
 
 

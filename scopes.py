@@ -39,6 +39,11 @@ def _dataset_is(*names: str) -> Callable[[Config], bool]:
     return lambda cfg: cfg.data.source in {f"data.dataset={name}" for name in names}
 
 
+def _loss(cfg: Config) -> str:
+    return f"loss.factory={cfg.loss.factory}" if cfg.loss.factory else f"loss.name={cfg.loss.name}"
+
+
+_WEIGHTED = ("loss.name=cross_entropy", "loss.name=focal", "loss.name=bce")
 _TORCHVISION_DATASETS = ("fashion_mnist", "cifar10")
 _SCOPES = (
     _Scope(("data.dataset",), "a run without data.factory", lambda c: not c.data.factory, _data),
@@ -120,6 +125,28 @@ _SCOPES = (
         lambda c: c.optim.name == "sgd",
         lambda c: f"optim.name={c.optim.name}",
     ),
+    _Scope(("loss.gamma",), "loss.name=focal", lambda c: _loss(c) == "loss.name=focal", _loss),
+    _Scope(
+        ("loss.class_weights",),
+        "loss.name=cross_entropy, focal and bce",
+        lambda c: _loss(c) in _WEIGHTED,
+        _loss,
+    ),
+    _Scope(  # a recipe file's smoothing beside a command line's loss is said, not refused
+        ("optim.label_smoothing",),
+        "loss.name=cross_entropy and focal",
+        lambda c: _loss(c) in _WEIGHTED[:2],
+        _loss,
+        "loss.name",
+    ),
+    _Scope(("loss.kwargs",), "loss.factory", lambda c: bool(c.loss.factory), _loss),
+    _Scope(
+        ("metrics.kwargs",),
+        "metrics.factory",
+        lambda c: bool(c.metrics.factory),
+        lambda c: "no metrics.factory",
+    ),
+    _Scope(("loss.name",), "a run without loss.factory", lambda c: not c.loss.factory, _loss),
     _Scope(
         ("model.widths", "model.blocks_per_stage", "model.stem_stride", "model.dropout"),
         f"model.name={MINI_RESNET}",

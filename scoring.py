@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 import distributed
-from schema import IGNORED
+from objective import targets
+from objective.losses import Objective, cross_entropy_sum
 
-TOP_K = 5  # torchvision's reference prints Acc@1 and Acc@5
 CONFUSION_MAX_CLASSES = 1000  # above it a C x C matrix outgrows one reduction: per-class only
 
 
@@ -31,6 +31,7 @@ class EvalResult:
     class_correct: tuple[int, ...] = ()  # per class: top-1 hits (empty: not counted)
     class_count: tuple[int, ...] = ()  # per class: evaluated samples of that label
     confusion: tuple[tuple[int, ...], ...] = ()  # [true][predicted] counts (empty: not counted)
+    metrics: dict[str, float] = field(default_factory=dict)  # metrics.factory's sum / count
 
     def per_class_accuracy(self) -> list[float | None]:
         """Top-1 accuracy of each class; None for a class with no evaluated sample."""
@@ -50,31 +51,40 @@ class EvalCounts:
     device: torch.device
     num_classes: int = 0
     confusion: bool = False
-    totals: torch.Tensor = field(init=False)  # loss sum, top-1 hits, top-5 hits, count
+    objective: Objective | None = None  # its evaluation loss and metric (else cross-entropy)
+    # loss sum, top-1 hits, top-5 hits, count; then the metric's [sum, count] pairs
+    totals: torch.Tensor = field(init=False)
     per_class: torch.Tensor = field(init=False)  # [0]: hits by class, [1]: count by class
 
     def __post_init__(self) -> None:
         self.confusion = self.confusion and 0 < self.num_classes <= CONFUSION_MAX_CLASSES
-        self.totals = torch.zeros(4, device=self.device, dtype=torch.float64)
+        self.objective = self.objective or Objective(cross_entropy_sum)
+        metric = self.objective.metric
+        size = 4 + (2 * len(metric.names) if metric is not None else 0)
+        self.totals = torch.zeros(size, device=self.device, dtype=torch.float64)
         cells = self.num_classes * (2 + (self.num_classes if self.confusion else 0))
         self.per_class = torch.zeros(cells, device=self.device, dtype=torch.long)
 
     def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """One batch: `logits` [N, C] float, `labels` [N] class indices (IGNORED not counted)."""
-        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-        counted = labels != IGNORED  # cross_entropy leaves IGNORED out too
-        k = min(TOP_K, logits.shape[1])
-        top = logits.topk(k, dim=1).indices  # [N, k], the highest first
-        hits = top == labels[:, None]
+        """One batch: `logits` [N, C] float, `labels` [N] class indices (IGNORED not counted)
+        or float [N, C] rows (objective.targets: hits and per-class counts by their argmax)."""
+        assert self.objective is not None
+        loss = self.objective.eval_loss(logits, labels)  # IGNORED left out, as in counted
+        counted = targets.counted(labels)
+        top = targets.top(logits)  # [N, k], the highest first
+        hits = targets.hits(top, labels)
         self.totals[0] += loss.double()
         self.totals[1] += hits[:, 0].sum()
         self.totals[2] += hits.any(dim=1).sum()
         self.totals[3] += counted.sum()
+        if self.objective.metric is not None:
+            self.totals[4:] += self.objective.metric.measure(logits, labels)
         if not self.num_classes:
             return
         c = self.num_classes
-        truth, predicted = labels[counted], top[counted, 0]
-        self.per_class[:c] += torch.bincount(truth[predicted == truth], minlength=c)[:c]
+        truth, predicted = targets.truth(labels)[counted], top[counted, 0]
+        hit = hits[counted, 0]
+        self.per_class[:c] += torch.bincount(truth[hit], minlength=c)[:c]
         self.per_class[c : 2 * c] += torch.bincount(truth, minlength=c)[:c]
         if self.confusion:
             pairs = torch.bincount(truth * c + predicted, minlength=c * c)[: c * c]
@@ -82,7 +92,9 @@ class EvalCounts:
 
     def reduce(self) -> EvalResult:
         """The exact result over every rank's batches (a collective: every rank calls it)."""
-        loss_sum, top1, top5, count = distributed.all_reduce_sum(self.totals).tolist()
+        reduced = distributed.all_reduce_sum(self.totals).tolist()
+        loss_sum, top1, top5, count = reduced[:4]
+        metric = self.objective.metric if self.objective is not None else None
         per_class = distributed.all_reduce_sum(self.per_class).tolist() if self.num_classes else []
         c, denominator = self.num_classes, max(count, 1.0)
         confusion = per_class[2 * c :]
@@ -96,6 +108,7 @@ class EvalCounts:
             confusion=tuple(tuple(confusion[i * c : (i + 1) * c]) for i in range(c))
             if confusion
             else (),
+            metrics=metric.values(reduced[4:]) if metric is not None else {},
         )
 
 
@@ -122,4 +135,5 @@ def report(result: EvalResult, classes: Sequence[str] | None, step: int) -> dict
         "num_samples": result.num_samples,
         "per_class": per_class,
         "confusion": [list(row) for row in result.confusion],
+        **result.metrics,
     }

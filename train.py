@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 import auto
 import build
@@ -51,6 +50,7 @@ from distributed import DistInfo
 from inputs import failures
 from instruments import Instruments
 from metrics import MetricsWriter
+from objective import losses, targets
 from optim import ema, groups, schedules, spec
 from runpaths import RunPaths
 
@@ -91,7 +91,7 @@ class Trainer:
             model, info, cfg.dist, compile=self.auto.compile, nvtx=cfg.log.nvtx
         )
         self.model = self.parallel.model
-        self.build_optimization()
+        self.build_optimization(splits)
         spans = self.samples_per_step, self.steps_per_epoch, lambda: self.total_steps
         self.ema = ema.build(self.parallel.bare, cfg, *spans)  # None without train.ema_decay
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
@@ -142,8 +142,8 @@ class Trainer:
             )
         self.samples_per_step = global_batch_size(cfg, self.info.world_size)
 
-    def build_optimization(self) -> None:
-        """Optimizer (over the parallelized model's parameters), LR schedule, AMP, loss."""
+    def build_optimization(self, splits: data.DataSplits) -> None:
+        """Optimizer (over the parallelized model's parameters), LR schedule, AMP, objective."""
         cfg = self.cfg
         kind, param_groups, settings = spec.optimizer_spec(
             self.parallel.bare, cfg.optim, self.auto.optimizer_impl, self.param_groups
@@ -155,7 +155,7 @@ class Trainer:
         )
         self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(self.info.device, self.amp_dtype)
-        self.loss_fn: nn.Module = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+        self.loss_fn = losses.build(cfg, self.num_classes, splits.eval, self.info.device)
 
     def build_checkpointing(
         self, lease: rundir.Lease | None, data_fingerprint: str, classes: list[str] | None
@@ -418,7 +418,7 @@ class Trainer:
             self.model.train()
         images, labels, indices = next(self.batches)
         if labels.device.type == "cpu":  # skipped images (IGNORED) are not trained on
-            indices = indices[labels != IGNORED]  # (only a DataLoader yields them)
+            indices = indices[targets.counted(labels)]  # (only a DataLoader yields them)
         return self.preprocess(images, labels), indices
 
     def stop_for_a_bad_batch(self, error: Exception | None) -> None:
@@ -475,6 +475,7 @@ class Trainer:
                 self.input_shape,
                 self.num_classes,
                 confusion=True,
+                objective=self.loss_fn,
             )
         self.save_if_evaluation_failed(failed[0] if failed else None)
         self.stop_if(self.stop_requested(), buffers_averaged=True)  # the result may be partial

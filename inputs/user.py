@@ -33,8 +33,10 @@ class UserData:
     device with `mean` and `std`, in [0, 1] units, default 0.5 for both; float images are used
     as they are, so mean and std are refused for them); label an int in [0, num_classes) (a
     NumPy integer or a one-element integer tensor will do), or -100 for a sample no loss
-    counts. Labels are checked before training when they can be read without loading images
-    (a list of samples, a `labels` or `targets` attribute), else as each sample is loaded.
+    counts; or, for multi-label data (loss.name=bce), a float tensor of num_classes values in
+    [0, 1] (multi-hot), the same kind in every sample. Labels are checked before training
+    when they can be read without loading images (a list of samples, a `labels` or `targets`
+    attribute), else as each sample is loaded.
     Training samples get this pipeline's augmentation (random crop, flip: data.augment, keyed
     by seed, epoch and index) and sampler. A dataset that augments its own samples says so with
     `augmented=True`: data.augment then leaves them alone (its random draws are its own, so a
@@ -243,6 +245,16 @@ def as_label(value: Any) -> int | None:
     return _count(value)
 
 
+def as_target(value: Any, num_classes: int) -> int | torch.Tensor | None:
+    """`as_label`, or a float tensor of `num_classes` finite values in [0, 1] (a multi-hot
+    row, objective/targets.py) as float32; None for anything else."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim == 1:
+        row = value.float()
+        ok = len(row) == num_classes and bool(((row >= 0) & (row <= 1)).all())
+        return row if ok else None
+    return as_label(value)
+
+
 def known_labels(dataset: Any) -> Sequence[Any] | torch.Tensor | None:
     """Every label of a dataset when they can be read without loading images: a list or tuple
     of samples, ImageTensors' `labels`, or the `labels` or `targets` attribute (one per sample)
@@ -280,7 +292,8 @@ def _bad_label(where: str, index: int, value: Any, num_classes: int) -> BadLabel
         value = value.item()  # 10, not tensor(10)
     return BadLabel(
         f"{where}[{index}] has label {value!r}: labels must be ints in [0, {num_classes}) "
-        f"(num_classes={num_classes}), or {IGNORED} for a sample left out of the loss"
+        f"(num_classes={num_classes}), or {IGNORED} for a sample left out of the loss; or, in "
+        f"every sample alike, float tensors of {num_classes} values in [0, 1] (multi-hot)"
     )
 
 
@@ -293,11 +306,15 @@ def check_labels(where: str, labels: Sequence[Any] | torch.Tensor | None, num_cl
     if isinstance(labels, torch.Tensor) and labels.ndim == 1 and not labels.is_floating_point():
         values = labels.long()  # every row at once (BENCHMARKS.md, "Overhead")
     else:
-        ints = [as_label(value) for value in labels]
-        bad = next((i for i, value in enumerate(ints) if value is None), None)
+        found = [as_target(value, num_classes) for value in labels]
+        rows = isinstance(found[0], torch.Tensor) if found else False
+        kind = torch.Tensor if rows else int  # one kind in every sample: batches stack them
+        bad = next((i for i, value in enumerate(found) if not isinstance(value, kind)), None)
         if bad is not None:
             raise _bad_label(where, bad, labels[bad], num_classes)
-        values = torch.tensor(ints, dtype=torch.long)
+        if rows:
+            return
+        values = torch.tensor(found, dtype=torch.long)
     wrong = ~(((values >= 0) & (values < num_classes)) | (values == IGNORED))
     if bool(wrong.any()):
         bad = int(wrong.nonzero()[0])
@@ -331,7 +348,7 @@ class SampleChecked(Dataset):
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int | torch.Tensor]:
         image, value = self.base[index]
         if not isinstance(image, torch.Tensor) or tuple(image.shape) != self.shape:
             got = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
@@ -340,7 +357,9 @@ class SampleChecked(Dataset):
                 f"{self.shape}: a batch stacks samples of one shape, so resize or crop every "
                 "sample to it in the dataset"
             )
-        label = as_label(value)
+        label = as_target(value, self.num_classes)
+        if isinstance(label, torch.Tensor):
+            return image, label
         if label is None or not (0 <= label < self.num_classes or label == IGNORED):
             raise _bad_label(self.where, index, value, self.num_classes)
         return image, label

@@ -281,16 +281,14 @@ def test_torchvision_models_fine_tune_from_torchvision_state_dicts(
     assert model(torch.rand(2, 3, size, size)).shape == (2, 5)  # plain logits to train on
 
 
-def test_aux_logits_turned_on_are_refused_with_the_fix() -> None:
-    # Before: accepted, and step 1 crashed in cross_entropy on a GoogLeNetOutputs.
-    with pytest.raises(
-        ConfigError,
-        match=(
-            r"googlenet returns GoogLeNetOutputs in training mode.*"
-            r"leave aux_logits out of model.kwargs"
-        ),
-    ):
-        models.build(ModelConfig(name="googlenet", kwargs='{"aux_logits": true}'), (3, 64, 64), 5)
+def test_aux_logits_turned_on_are_built_and_train_as_namedtuples_of_logits() -> None:
+    # Refused before loss.aux_weight (objective/losses.py) weighed the auxiliary logits.
+    cfg = ModelConfig(name="googlenet", kwargs='{"aux_logits": true}')
+    model = models.build(cfg, (3, 64, 64), 5).train()
+    out = model(torch.rand(2, 3, 64, 64))
+    assert type(out).__name__ == "GoogLeNetOutputs"
+    assert [tuple(x.shape) for x in out] == [(2, 5)] * 3
+    assert model.eval()(torch.rand(2, 3, 64, 64)).shape == (2, 5)  # evaluation: plain logits
 
 
 USER_MODELS = """
