@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import data
+import distributed
 import model as models
 import weightfiles
 from ckpt import atomic, retention, storage
@@ -35,6 +36,7 @@ from distributed import DistInfo
 from runpaths import RunPaths
 
 log = logging.getLogger("train")
+PICKS = 3  # newest checkpoints tried while a training job prunes them
 
 
 @dataclass(frozen=True)
@@ -54,20 +56,40 @@ class Weights:
         return f"step_{self.step}" if self.step is not None else self.path.name.split(".")[0]
 
 
-def read_weights(cfg: Config) -> Weights:
-    """The weights `model.weights` names, else the newest verified checkpoint of run.dir."""
+def read_weights(cfg: Config, info: DistInfo) -> Weights:
+    """The weights `model.weights` names, else the newest verified checkpoint of run.dir, the
+    same on every rank (a collective then): rank 0 picks it, every rank loads it, and should
+    the job training there prune it meanwhile on any rank, rank 0 picks again."""
     if cfg.model.weights:
         return _read(Path(cfg.model.weights), f"model.weights={cfg.model.weights}")
     directory = RunPaths(cfg.run.dir).checkpoints
-    for _, path in reversed(retention.list_checkpoints(directory)):
-        try:  # verified against its manifest; pruned meanwhile: the next older one
-            return _from_checkpoint(path, storage.load(path, torch.device("cpu")))
+    for _ in range(PICKS):
+        path = distributed.broadcast_object(_newest_verified(directory) if info.is_main else None)
+        if path is None:
+            break
+        weights, error = None, None
+        try:
+            weights = _from_checkpoint(path, storage.load(path, torch.device("cpu")))
         except (CheckpointError, FileNotFoundError) as err:
-            log.warning("skipping %s: %s", path, err)
+            error = err
+        if not distributed.any_rank(error is not None, info.device):
+            return weights  # type: ignore[return-value]
+        log.warning("%s changed while it was read (%s): picking again", path, error)
     raise ConfigError(
         f"model.weights is empty and run.dir={cfg.run.dir} holds no verified checkpoint in "
         f"{directory}: give --model.weights=FILE or the run.dir of a run that saved one"
     )
+
+
+def _newest_verified(directory: Path) -> Path | None:
+    """The newest checkpoint in `directory` that verifies against its manifest, or None."""
+    for _, path in reversed(retention.list_checkpoints(directory)):
+        try:
+            storage.verify(path)
+            return path
+        except (CheckpointError, FileNotFoundError) as err:  # incomplete, or pruned meanwhile
+            log.warning("skipping %s: %s", path, err)
+    return None
 
 
 def _read(path: Path, where: str) -> Weights:

@@ -26,7 +26,7 @@ log = logging.getLogger("train")
 
 def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)
-    weights = common.read_weights(cfg)
+    weights = common.read_weights(cfg, info)
     where = f"model.weights={weights.path}"
     common.check_classes(weights, splits, where)
     model = common.build_model(cfg, splits, weights, info)

@@ -35,7 +35,7 @@ FILES = ("model.pt", "model.safetensors", "model.json")
 
 def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)
-    weights = common.read_weights(cfg)
+    weights = common.read_weights(cfg, info)
     common.check_classes(weights, splits, f"model.weights={weights.path}")
     common.build_model(cfg, splits, weights, info)  # the weights fit the model the spec builds
     folder = distributed.broadcast_object(common.output_path(cfg, weights, "exports", ""))

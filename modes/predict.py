@@ -40,7 +40,7 @@ def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
     root = Path(cfg.data.predict_root)
     files = find_images(root)
     splits = data.build_datasets(cfg.data, cfg.train.seed, info)
-    weights = common.read_weights(cfg)
+    weights = common.read_weights(cfg, info)
     common.check_classes(weights, splits, f"model.weights={weights.path}")
     model = common.build_model(cfg, splits, weights, info)
     output = distributed.broadcast_object(common.output_path(cfg, weights, "predictions", ".csv"))

@@ -11,15 +11,20 @@ import csv
 import hashlib
 import io
 import json
+import os
 import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, launch, rows, tiny_job_args
+from helpers import REPO, launch, rows, tiny_job_args, train_command
 
+import data
 import weightfiles
-from config import ConfigError
+from config import ConfigError, DataConfig
+from distributed import DistInfo
 from inputs.sources import SYNTHETIC_SEED, make_synthetic
 from model import MiniResNet
 from modes import export, predict
@@ -156,6 +161,44 @@ def test_evaluate_reads_a_consolidated_weights_file_as_the_checkpoint(
     assert not (tmp_path / "elsewhere").exists()  # no run dir made for a file's evaluation
 
 
+@pytest.mark.e2e
+def test_evaluate_reads_verified_sharded_checkpoints_while_a_job_trains_in_the_run_dir(
+    tmp_path: Path,
+) -> None:
+    """A 2-rank job saving sharded checkpoints every 4 steps (2 kept: older ones pruned while
+    evaluate may read them) holds the run dir; evaluate at 2 ranks scores its newest verified
+    checkpoint, and the job trains on to its end undisturbed (its lease kept, every evaluation
+    of every epoch in its metrics)."""
+    run, out = tmp_path / "run", tmp_path / "report.json"
+    flags = ("--ckpt.format=sharded", "--ckpt.every_steps=4", "--train.epochs=40")
+    training = subprocess.Popen(
+        train_command(2, *job(run), *flags),
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list((run / "checkpoints").glob("step_*.manifest.json")):
+            assert training.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.2)
+        proc = launch(2, *job(run), "--run.mode=evaluate", f"--run.output={out}")
+        assert training.poll() is None, "the job ended before evaluate did: train longer"
+        output, _ = training.communicate(timeout=600)
+    finally:
+        training.kill()
+    assert proc.returncode == 0, proc.output
+    assert training.returncode == 0, output
+    report = json.loads(out.read_text())
+    assert Path(report["weights"]).parent == run / "checkpoints"
+    assert re.fullmatch(r"step_\d+", Path(report["weights"]).name)  # a sharded one's folder
+    assert report["num_samples"] == EVAL_SIZE and report["weights_used"] == "ema"
+    assert len(rows(run, "eval")) == 40
+    assert not (run / "evaluations").exists()
+
+
 # -- predict ---------------------------------------------------------------------------------
 
 
@@ -229,6 +272,27 @@ def test_predict_equals_an_independent_loop_over_the_files(
         assert row["probability"] == pytest.approx(probability, abs=1e-6), row["path"]
         assert [t["label"] for t in row["top5"]] == top, row["path"]
     assert snapshot(trained) == before
+
+
+def test_predict_preprocesses_an_image_folders_files_as_its_evaluation_split(
+    tmp_path: Path,
+) -> None:
+    """For data.dataset=imagefolder, each file's view is the evaluation sample's: decoded,
+    resized and center-cropped by the split's own code (inputs/imagefolder.py)."""
+    from torchvision.io import write_png
+
+    sizes = [(20, 30), (41, 25), (16, 16), (33, 64)]
+    for split in ("train", "val"):
+        for index, (height, width) in enumerate(sizes):
+            folder = tmp_path / split / f"class{index % 2}"
+            folder.mkdir(parents=True, exist_ok=True)
+            image = torch.randint(0, 256, (3, height, width), dtype=torch.uint8)
+            write_png(image, str(folder / f"{index}.png"))
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path), image_size=12, num_workers=0)
+    splits = data.build_datasets(cfg, 0, DistInfo(0, 0, 1, torch.device("cpu")))
+    view = predict.eval_view(splits)
+    for index, (path, _) in enumerate(splits.eval.samples):
+        assert torch.equal(view(path), splits.eval[index][0]), path
 
 
 @pytest.mark.e2e
