@@ -60,6 +60,12 @@ _SCOPES = (
         lambda c: _dataset_is("imagefolder")(c) or c.run.mode == "predict",
         _data,
     ),
+    _Scope(
+        ("run.output",),
+        "run.mode=evaluate, predict and export",
+        lambda c: c.run.mode != "train",
+        lambda c: f"run.mode={c.run.mode}",
+    ),
     _Scope(  # an image folder crops with RandomResizedCrop (data.crop_scale) instead
         ("data.crop_padding",),
         "datasets other than imagefolder",

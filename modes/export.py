@@ -54,8 +54,7 @@ def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
 
 
 def check_folder(folder: Path) -> None:
-    if folder.exists() and not folder.is_dir():
-        common.check_writable(folder, "file")  # names it: a file, not a folder
+    """Bad input unless the files can be written into `folder` (a file there is refused)."""
     common.check_writable(folder / FILES[0], "folder")
 
 

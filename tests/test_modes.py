@@ -23,6 +23,7 @@ from helpers import REPO, launch, rows, tiny_job_args, train_command
 
 import data
 import weightfiles
+from cli import parse_args
 from config import ConfigError, DataConfig
 from distributed import DistInfo
 from inputs.sources import SYNTHETIC_SEED, make_synthetic
@@ -403,6 +404,24 @@ def test_predict_finds_images_at_any_depth_and_refuses_an_empty_folder(tmp_path:
         predict.find_images(tmp_path / "empty")
     with pytest.raises(ConfigError, match=r"data.predict_root=.*missing: no such folder"):
         predict.find_images(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--run.mode=predict"], "run.mode=predict with data.predict_root=''"),
+        (["--data.predict_root=photos"], "run.mode=train with data.predict_root='photos'"),
+        (["--run.output=report.json"], "run.output=report.json is for run.mode=evaluate"),
+        (["--run.mode=score"], "run.mode"),
+    ],
+)
+def test_mode_settings_are_refused_where_the_mode_does_not_read_them(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises((ConfigError, SystemExit)) as refused:
+        parse_args(argv)
+    said = str(refused.value) + capsys.readouterr().err
+    assert named in said, said
 
 
 @pytest.mark.e2e
