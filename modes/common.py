@@ -33,7 +33,7 @@ from ckpt import atomic, retention, storage
 from ckpt.atomic import CheckpointError
 from config import Config, ConfigError
 from distributed import DistInfo
-from runpaths import RunPaths
+from runpaths import MODE_FOLDERS, RunPaths
 
 log = logging.getLogger("train")
 PICKS = 3  # newest checkpoints tried while a training job prunes them
@@ -182,14 +182,15 @@ def build_model(
     return model.to(info.device).eval()
 
 
-def output_path(cfg: Config, weights: Weights, folder: str, suffix: str) -> Path:
-    """run.output, checked; else a new path under run.dir/`folder` named after the weights."""
+def output_path(cfg: Config, weights: Weights, suffix: str) -> Path:
+    """run.output, checked; else a new path in the mode's folder of run.dir (RunPaths), named
+    after the weights and the time."""
     if cfg.run.output:
         path = Path(cfg.run.output)
         _refuse_run_files(cfg, path)
         return path
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    base = RunPaths(cfg.run.dir).root / folder / f"{weights.label}-{stamp}"
+    base = RunPaths(cfg.run.dir).mode_outputs(cfg.run.mode) / f"{weights.label}-{stamp}"
     path, n = base.with_name(base.name + suffix), 1
     while path.exists():  # two in one second
         path, n = base.with_name(f"{base.name}.{n}{suffix}"), n + 1
@@ -203,7 +204,7 @@ def _refuse_run_files(cfg: Config, path: Path) -> None:
     resolved = path.resolve()
     if resolved == root or root in resolved.parents:
         inside = resolved.relative_to(root).parts
-        if not inside or inside[0] not in ("evaluations", "predictions", "exports"):
+        if not inside or inside[0] not in MODE_FOLDERS.values():
             raise ConfigError(
                 f"run.output={cfg.run.output} lies in run.dir={cfg.run.dir} outside its "
                 "evaluations/, predictions/ and exports/ folders: a training run's files are "

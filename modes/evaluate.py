@@ -30,7 +30,7 @@ def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
     where = f"model.weights={weights.path}"
     common.check_classes(weights, splits, where)
     model = common.build_model(cfg, splits, weights, info)
-    output = distributed.broadcast_object(common.output_path(cfg, weights, "evaluations", ".json"))
+    output = distributed.broadcast_object(common.output_path(cfg, weights, ".json"))
     distributed.run_on_main(
         info, "checking run.output", lambda: common.check_writable(output, "file")
     )

@@ -38,7 +38,7 @@ def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
     weights = common.read_weights(cfg, info)
     common.check_classes(weights, splits, f"model.weights={weights.path}")
     common.build_model(cfg, splits, weights, info)  # the weights fit the model the spec builds
-    folder = distributed.broadcast_object(common.output_path(cfg, weights, "exports", ""))
+    folder = distributed.broadcast_object(common.output_path(cfg, weights, ""))
     distributed.run_on_main(info, "checking run.output", lambda: check_folder(folder))
     state = {key: value.contiguous() for key, value in weights.state.items()}
     spec = describe(cfg, splits, weights)

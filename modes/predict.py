@@ -19,6 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,35 +44,15 @@ def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
     weights = common.read_weights(cfg, info)
     common.check_classes(weights, splits, f"model.weights={weights.path}")
     model = common.build_model(cfg, splits, weights, info)
-    output = distributed.broadcast_object(common.output_path(cfg, weights, "predictions", ".csv"))
+    output = distributed.broadcast_object(common.output_path(cfg, weights, ".csv"))
     if output.suffix not in FORMATS:
         raise ConfigError(f"run.output={output}: give a file ending in .csv or .jsonl")
     distributed.run_on_main(
         info, "checking run.output", lambda: common.check_writable(output, "file")
     )
     names = weights.classes or (list(splits.classes) if splits.classes else None)
-    view = eval_view(splits)
-    predicted, skipped, error = [], [], None
-    preprocess = data.Preprocess(splits, info.device, channels_last=False)
-    mine = files[info.rank :: info.world_size]
-    for start in range(0, len(mine), cfg.data.eval_batch_size):
-        paths = mine[start : start + cfg.data.eval_batch_size]
-        images, kept = [], []
-        for path in paths:
-            try:
-                images.append(view(path))
-                kept.append(path)
-            except imagefolder.UnreadableImage as err:
-                if cfg.data.bad_images == "fail":
-                    error = ConfigError(f"data.predict_root: {err} (data.bad_images=fail)")
-                    break
-                log.warning("skipping (data.bad_images=skip): %s", err)
-                skipped.append(path)
-        if error is not None:
-            break
-        if images:
-            probabilities = classify(model, preprocess, torch.stack(images), cfg.data.eval_flip)
-            predicted += rows(root, kept, probabilities, names)
+    shard = Shard(root, eval_view(splits), data.Preprocess(splits, info.device, False), names)
+    predicted, skipped, error = shard.predict(model, files[info.rank :: info.world_size], cfg)
     distributed.raise_if_any_failed(info, error, "reading data.predict_root's images")
     gathered = distributed.all_gather_object((predicted, len(skipped)))
     everything = sorted((row for part, _ in gathered for row in part), key=lambda r: r["path"])
@@ -90,6 +71,40 @@ def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
         "skipped": num_skipped,
         "output": str(output),
     }
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How this rank turns its share of the files into rows."""
+
+    root: Path
+    view: Callable[[str], torch.Tensor]  # a file as an evaluation sample (eval_view)
+    preprocess: data.Preprocess
+    names: list[str] | None  # class names by label, where known
+
+    def predict(
+        self, model: torch.nn.Module, paths: list[str], cfg: Config
+    ) -> tuple[list[dict[str, Any]], list[str], ConfigError | None]:
+        """(rows, files skipped, the error of the file that failed under bad_images=fail),
+        in batches of data.eval_batch_size."""
+        predicted, skipped = [], []
+        for start in range(0, len(paths), cfg.data.eval_batch_size):
+            images, kept = [], []
+            for path in paths[start : start + cfg.data.eval_batch_size]:
+                try:
+                    images.append(self.view(path))
+                    kept.append(path)
+                except imagefolder.UnreadableImage as err:
+                    if cfg.data.bad_images == "fail":
+                        failed = ConfigError(f"data.predict_root: {err} (data.bad_images=fail)")
+                        return predicted, skipped, failed
+                    log.warning("skipping (data.bad_images=skip): %s", err)
+                    skipped.append(path)
+            if images:
+                batch = torch.stack(images)
+                probabilities = classify(model, self.preprocess, batch, cfg.data.eval_flip)
+                predicted += rows(self.root, kept, probabilities, self.names)
+        return predicted, skipped, None
 
 
 def find_images(root: Path) -> list[str]:
