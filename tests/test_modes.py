@@ -28,7 +28,7 @@ from config import ConfigError, DataConfig
 from distributed import DistInfo
 from inputs.sources import SYNTHETIC_SEED, make_synthetic
 from model import MiniResNet
-from modes import export, predict
+from modes import common, export, predict
 
 # The tiny job (helpers.TINY_JOB) with a weight average, so that the weights a mode must pick
 # (the average) differ from the model's own.
@@ -404,6 +404,18 @@ def test_predict_finds_images_at_any_depth_and_refuses_an_empty_folder(tmp_path:
         predict.find_images(tmp_path / "empty")
     with pytest.raises(ConfigError, match=r"data.predict_root=.*missing: no such folder"):
         predict.find_images(tmp_path / "missing")
+
+
+def test_a_checkpoint_of_other_classes_than_the_datas_is_refused(tmp_path: Path) -> None:
+    """The same number of classes in another order would score every label as another class."""
+    splits = data.DataSplits(None, None, SHAPE, 2, (0.5,), (0.25,), ("cat", "dog"))  # type: ignore[arg-type]
+    same = common.Weights(tmp_path / "w.pt", {}, "ema", 3, ["cat", "dog"])
+    common.check_classes(same, splits, "model.weights=w.pt")
+    unnamed = common.Weights(tmp_path / "w.pt", {}, "file")
+    common.check_classes(unnamed, splits, "model.weights=w.pt")  # a weights file names none
+    swapped = common.Weights(tmp_path / "w.pt", {}, "ema", 3, ["dog", "cat"])
+    with pytest.raises(ConfigError, match=r"model.weights=w.pt was trained on the classes"):
+        common.check_classes(swapped, splits, "model.weights=w.pt")
 
 
 @pytest.mark.parametrize(
