@@ -90,6 +90,16 @@ class RunConfig(Section):
     """attempts (torchrun restarts, requeues) that may start from the same
     checkpoint before the run exits 76, 'no progress: do not restart'; 0
     = never"""
+    mode: Literal["train", "evaluate", "predict", "export"] = "train"
+    """train; or, beside training (docs/modes.md), without taking the run
+    dir's lease: evaluate model.weights (empty: the newest verified
+    checkpoint of run.dir) on the evaluation split, predict the classes
+    of data.predict_root's images, export the evaluated weights"""
+    output: str = ""
+    """evaluate: the JSON report; predict: the .csv or .jsonl file;
+    export: the folder; replaced atomically if it exists; inside run.dir
+    only under its evaluations/, predictions/ or exports/. Empty = a new
+    path there, named after the weights and the time"""
 
     def __post_init__(self) -> None:
         self._require("dir", bool(self.dir.strip()), "give a directory path")
@@ -101,6 +111,8 @@ class RunConfig(Section):
         self._require("lease_timeout_s", finite(self.lease_timeout_s) >= 5, "give >= 5 seconds")
         attempts_ok = self.max_attempts_without_progress >= 0
         self._require("max_attempts_without_progress", attempts_ok, "0 = never, or a count")
+        object.__setattr__(self, "output", os.path.expanduser(self.output))
+        self._require("output", self.output == self.output.strip(), "no surrounding spaces")
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,9 @@ class DataConfig(Section):
     root: str = "data"
     """dataset directory: download target for torchvision datasets, or for
     imagefolder the folder holding train/<class>/* and val/<class>/*"""
+    predict_root: str = ""
+    """run.mode=predict: the folder whose images (in any subfolder) get a
+    predicted class, preprocessed as the evaluation split is"""
     download: bool = True
     """let torchvision download fashion_mnist/cifar10 into data.root when
     missing (Debian's /usr/share/datasets/fashion-mnist is used first
@@ -202,6 +217,7 @@ class DataConfig(Section):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", os.path.expanduser(self.root))  # ~ = home, not ./~
+        object.__setattr__(self, "predict_root", os.path.expanduser(self.predict_root))
         self._require("subset", self.subset >= 0, "use 0 for all or a positive count")
         self._require("global_batch_size", self.global_batch_size >= 0, "0 = use batch_size")
         self._require("batch_size", self.batch_size >= 1, "must be >= 1")
@@ -521,6 +537,11 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        if (self.run.mode == "predict") != bool(self.data.predict_root):
+            raise ConfigError(
+                f"run.mode={self.run.mode} with data.predict_root={self.data.predict_root!r}: "
+                "predict reads the folder data.predict_root names, and only predict reads it"
+            )
         if self.dist.strategy in SHARDED_STRATEGIES:
             where = f"dist.strategy={self.dist.strategy}"
             if self.train.amp == "fp16":

@@ -13,6 +13,8 @@ from pathlib import Path
 
 BEST_FILE = "best.json"  # in the checkpoints folder: {"step", "accuracy"} of the best checkpoint
 LEASE_GLOB = "lease.*.json"  # lease.<generation>.json
+# Where run.mode's outputs go when run.output is empty (modes/): never a training run's files.
+MODE_FOLDERS = {"evaluate": "evaluations", "predict": "predictions", "export": "exports"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ class RunPaths:
     def origin(self) -> Path:
         """Where an explicit ckpt.resume started the run."""
         return self.root / "origin.json"
+
+    def mode_outputs(self, mode: str) -> Path:
+        """The folder of run.mode=`mode`'s outputs (evaluate, predict, export)."""
+        return self.root / MODE_FOLDERS[mode]
 
     def lease(self, generation: int) -> Path:
         return self.root / f"lease.{generation}.json"

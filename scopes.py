@@ -54,10 +54,22 @@ _SCOPES = (
         lambda c: c.model.source,
     ),
     _Scope(
-        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.bad_images", "data.decode"),
+        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.decode"),
         "data.dataset=imagefolder",
         _dataset_is("imagefolder"),
         _data,
+    ),
+    _Scope(  # predict reads image files whatever the data (modes/predict.py)
+        ("data.bad_images",),
+        "data.dataset=imagefolder and run.mode=predict",
+        lambda c: _dataset_is("imagefolder")(c) or c.run.mode == "predict",
+        _data,
+    ),
+    _Scope(
+        ("run.output",),
+        "run.mode=evaluate, predict and export",
+        lambda c: c.run.mode != "train",
+        lambda c: f"run.mode={c.run.mode}",
     ),
     _Scope(  # an image folder crops with RandomResizedCrop (data.crop_scale) instead
         ("data.crop_padding",),

@@ -50,6 +50,7 @@ from distributed import DistInfo
 from inputs import failures
 from instruments import Instruments
 from metrics import MetricsWriter
+from modes import dispatch
 from objective import losses, targets
 from optim import ema, groups, schedules, spec
 from runpaths import RunPaths
@@ -207,8 +208,7 @@ class Trainer:
     def use_train_loader(self, loader: Any) -> None:
         """Train on `loader` instead of the loader built from cfg.data; call it before training
         (benchmarks/pipeline.py replays a few batches of the built one, to time steps without
-        waiting for data). Like the built loader, it yields (images, labels, indices) batches
-        and has the `sampler` that data.set_epoch positions."""
+        waiting for data). It yields (images, labels, indices) batches and has a `sampler`."""
         self.train_loader = loader
 
     # -- the story of a run --------------------------------------------------------------------
@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in notices(cfg, argv, info.world_size, info.device.type):
                 log.warning(line)
         cfg = for_world_size(cfg, info.world_size)
-        result = train(cfg, info)
+        result = (train if cfg.run.mode == "train" else dispatch.run)(cfg, info)
         log.info("done: %s", result)
         # A stop signal that came while the run was finishing anyway: done, not preempted.
         exitcodes.report_to_launcher(exitcodes.PREEMPT_MARKER, f"finished at step {result['step']}")
