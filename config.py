@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import exitcodes
-from recipe import OptimConfig
+from recipe import AugConfig, OptimConfig
 from schema import (  # re-exported: the rest of the pipeline imports them from here
     FACTORY,
     FACTORY_FIX,
@@ -45,6 +45,7 @@ __all__ = [
     "RESERVED_KWARGS",
     "SHARDED_STRATEGIES",
     "SIGNAL_NAMES",
+    "AugConfig",
     "CkptConfig",
     "Config",
     "ConfigError",
@@ -159,11 +160,19 @@ class DataConfig(Section):
     (test-time augmentation; twice the evaluation compute)"""
     image_size: int = 224
     """imagefolder: side in pixels of the square training crop
-    (RandomResizedCrop) and of the evaluation center crop"""
+    (RandomResizedCrop) and, unless data.eval_crop_size, of the
+    evaluation center crop"""
     crop_ratio: float = 0.875
-    """imagefolder evaluation: resize the shorter side to image_size /
-    crop_ratio, then center-crop image_size (256 -> 224 as in
-    torchvision's references)"""
+    """imagefolder evaluation: unless data.eval_resize_size, resize the
+    shorter side to the eval crop size / crop_ratio, then center-crop
+    (256 -> 224 as in torchvision's references)"""
+    eval_crop_size: int = 0
+    """imagefolder evaluation: side of the center crop (torchvision's
+    --val-crop-size); 0 = data.image_size"""
+    eval_resize_size: int = 0
+    """imagefolder evaluation: the shorter side is resized to this before
+    the center crop (torchvision's --val-resize-size); 0 = the eval crop
+    size / data.crop_ratio"""
     crop_scale: tuple[float, ...] = (0.08, 1.0)
     """imagefolder training: RandomResizedCrop's range of the crop's area
     as a fraction of the image's (aspect ratios 3/4 to 4/3)"""
@@ -209,6 +218,9 @@ class DataConfig(Section):
         self._require("crop_padding", self.crop_padding >= 0, "must be >= 0")
         self._require("image_size", self.image_size >= 8, "must be >= 8")
         self._require("crop_ratio", 0 < finite(self.crop_ratio) <= 1, "must be in (0, 1]")
+        self._require("eval_crop_size", self.eval_crop_size in (0, *range(8, 1 << 16)), ">= 8")
+        resize_ok = self.eval_resize_size == 0 or self.eval_resize_size >= self.eval_size[0]
+        self._require("eval_resize_size", resize_ok, "0, or >= the eval crop size")
         scale = self.crop_scale
         scale_ok = len(scale) == 2 and 0 < finite(scale[0]) <= finite(scale[1]) <= 1
         self._require("crop_scale", scale_ok, "give MIN,MAX with 0 < MIN <= MAX <= 1")
@@ -224,6 +236,12 @@ class DataConfig(Section):
         self._require("synthetic_eval_size", self.synthetic_eval_size >= 1, "must be >= 1")
         self._require("synthetic_shape", image_shape(self.synthetic_shape), "give C,H,W; H, W >= 8")
         self._require("synthetic_num_classes", self.synthetic_num_classes >= 2, "must be >= 2")
+
+    @property
+    def eval_size(self) -> tuple[int, int]:
+        """imagefolder evaluation: (center crop side, shorter side resized to), derived."""
+        crop = self.eval_crop_size or self.image_size
+        return crop, self.eval_resize_size or int(crop / self.crop_ratio)
 
     @property
     def source(self) -> str:
@@ -501,6 +519,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -521,6 +540,15 @@ class Config:
                     "rank takes rank 0's BatchNorm statistics at each step (as DDP does); use "
                     "model.norm=batch, or dist.strategy=ddp for SyncBatchNorm"
                 )
+        paths = ("loader", "decode")
+        on_device = [f"data.{k}=device" for k in paths if getattr(self.data, k) == "device"]
+        if on_device and self.aug.per_sample:
+            raise ConfigError(
+                f"{', '.join(self.aug.per_sample)} cannot be combined with {', '.join(on_device)}"
+                ": the policy and the repeated copies are made per sample in the DataLoader's "
+                "workers; leave data.loader and data.decode at auto (or set them to dataloader "
+                "and workers)"
+            )
         if self.dist.static_graph and self.train.grad_accum_steps > 1:
             raise ConfigError(
                 f"dist.static_graph=true cannot be combined with train.grad_accum_steps="

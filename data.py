@@ -16,10 +16,10 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import distributed
-from config import ConfigError, DataConfig
+from config import AugConfig, ConfigError, DataConfig
 from distributed import DistInfo
 from inputs import imagefolder
-from inputs.augment import Augmented
+from inputs.augment import Augmented, policy
 from inputs.failures import NamedSamples
 from inputs.loaders import (
     DecodingLoader,
@@ -32,6 +32,7 @@ from inputs.loaders import (
     loader_options,
     worker_pids,
 )
+from inputs.mixing import BatchAugment
 from inputs.sampling import EpochSampler, ShardSampler
 from inputs.sources import (
     BUILDERS,
@@ -62,6 +63,7 @@ __all__ = [
     "STATS",
     "Augmented",
     "BadLabel",
+    "BatchAugment",
     "DataSplits",
     "DatasetNotFoundError",
     "DecodingLoader",
@@ -166,22 +168,27 @@ def build_train_loader(
     seed: int,
     loader: str,
     decode: str = "workers",
+    aug: AugConfig | None = None,
 ) -> DataLoader | DeviceLoader | DecodingLoader:
     """The training loader: `DeviceLoader` or a DataLoader, as `loader` says (device or
     dataloader: data.loader as auto.loader resolved it, in the run's auto.Auto record). An image
     folder's DataLoader decodes in its workers, or with `decode="device"` (auto.decode) in a
-    `DecodingLoader`."""
+    `DecodingLoader`. aug's policy and repeated copies run on the DataLoader's worker path
+    only (auto.loader and auto.decode pick it)."""
+    aug = aug or AugConfig()
     if splits.augmented:  # the dataset's own augmentation, not ours on top (inputs.user)
         cfg = replace(cfg, augment=False)
-    augmented = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
+    transform = policy(aug.auto_augment, aug.ra_magnitude, aug.augmix_severity)
+    augmented = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment, transform)
     dataset = NamedSamples(augmented, splits.train, cfg.source)  # a failure names its sample
-    sampler = EpochSampler(dataset, info, seed)
+    sampler = EpochSampler(dataset, info, seed, aug.repeated_augment)
     if len(sampler) < cfg.batch_size:
         raise ConfigError(
             f"data.batch_size={cfg.batch_size} exceeds a rank's shard: each of the "
             f"{info.world_size} ranks gets {len(sampler)} of the {len(dataset)} training "
             "samples; lower data.batch_size (or use fewer ranks)"
         )
+    assert not (aug.per_sample and "device" in (loader, decode)), "auto.loader, auto.decode"
     if loader == "device":
         base = in_memory(splits.train)
         assert base is not None, "auto.loader chose the device path for a dataset read from files"

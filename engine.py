@@ -134,11 +134,14 @@ def forward_backward(
         with parallel.gradient_sync(model, enabled=i == num_micro - 1):
             with autocast(device, amp_dtype):
                 logits = _forward(model, images)
-                loss = loss_fn(logits, labels)
+                keep, classes = counted_rows(labels)
+                # A float target's mean runs over every row: leave out those not counted.
+                rows = keep if labels.is_floating_point() else slice(None)
+                loss = loss_fn(logits[rows], labels[rows])
             scaler.scale(loss / num_micro).backward()
-        counted = (labels != IGNORED).sum()  # the loss is the mean over these
+        counted = keep.sum()  # the loss is the mean over these
         loss_sum += loss.detach().float() * counted
-        correct += (logits.detach().argmax(dim=1) == labels).sum()
+        correct += ((logits.detach().argmax(dim=1) == classes) & keep).sum()
         labelled += counted
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     max_norm = grad_clip if grad_clip > 0 else math.inf
@@ -146,6 +149,15 @@ def forward_backward(
     grad_norm = sharding.full_tensor(nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     num_samples = sum(len(labels) for _, labels in micro_batches)
     return StepStats(loss_sum, correct, num_samples, grad_norm, labelled)
+
+
+def counted_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which samples count (not IGNORED; for float targets [N, C], mixup's probabilities, a
+    row that is not all zero) and the class each is scored against (a float row's argmax, as
+    torchvision's reference scores mixed batches)."""
+    if labels.is_floating_point():
+        return labels.sum(dim=1) > 0, labels.argmax(dim=1)
+    return labels != IGNORED, labels
 
 
 # DDP's own words when the previous step left a parameter without its gradient

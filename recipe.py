@@ -1,4 +1,5 @@
-"""The config sections of a training recipe: the optimizer and its schedule.
+"""The config sections of a training recipe: the optimizer and its schedule, and the
+augmentation of torchvision's reference classification recipe (docs/recipes.md).
 
 Apart from config.py only to keep each file readable; `config.Config` composes them.
 """
@@ -56,3 +57,57 @@ class OptimConfig(Section):
         self._require("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
         self._require("grad_clip", finite(self.grad_clip) >= 0, "must be >= 0 (0 = no clipping)")
         self._require("label_smoothing", 0 <= self.label_smoothing < 1, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class AugConfig(Section):
+    """Augmentation beyond data.augment's crop and flip: torchvision's reference recipe
+    (docs/recipes.md). Every draw comes from the seed, epoch and sample or step: exact on
+    resume."""
+
+    _name: ClassVar[str] = "aug"
+
+    auto_augment: Literal["none", "ra", "ta_wide", "augmix", "autoaugment"] = "none"
+    """automatic augmentation policy of each training image, after the crop
+    and flip (torchvision's RandAugment, TrivialAugmentWide, AugMix,
+    AutoAugment with the ImageNet policy); none = off. Runs per sample in
+    the DataLoader workers (data.loader=auto picks them)"""
+    ra_magnitude: int = 9
+    """aug.auto_augment=ra: RandAugment's magnitude, 0..30"""
+    augmix_severity: int = 3
+    """aug.auto_augment=augmix: AugMix's severity, 1..10"""
+    random_erase: float = 0.0
+    """probability of erasing a random rectangle of each training image to 0
+    after normalisation (torchvision's RandomErasing, on the device); 0 =
+    off"""
+    mixup_alpha: float = 0.0
+    """mixup of each training batch with itself rolled by one, the weight
+    drawn from Beta(alpha, alpha); 0 = off. With aug.cutmix_alpha too,
+    each batch takes one of the two at even odds"""
+    cutmix_alpha: float = 0.0
+    """cutmix of each training batch with itself rolled by one, the box's
+    area drawn from Beta(alpha, alpha); 0 = off"""
+    repeated_augment: int = 1
+    """repeated-augmentation sampler: each epoch's order holds every sample
+    this many times in a row, differently augmented, spread over the
+    ranks, and an epoch stays len(dataset) samples long; 1 = off"""
+
+    def __post_init__(self) -> None:
+        self._require("ra_magnitude", 0 <= self.ra_magnitude <= 30, "must be in 0..30")
+        self._require("augmix_severity", 1 <= self.augmix_severity <= 10, "must be in 1..10")
+        self._require("random_erase", 0 <= finite(self.random_erase) <= 1, "must be in [0, 1]")
+        self._require("mixup_alpha", finite(self.mixup_alpha) >= 0, "must be >= 0 (0 = off)")
+        self._require("cutmix_alpha", finite(self.cutmix_alpha) >= 0, "must be >= 0 (0 = off)")
+        self._require("repeated_augment", self.repeated_augment >= 1, "must be >= 1 (1 = off)")
+
+    @property
+    def mixing(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+    @property
+    def per_sample(self) -> list[str]:
+        """The keys set that only the DataLoader's per-sample path runs."""
+        keys = [] if self.auto_augment == "none" else [f"aug.auto_augment={self.auto_augment}"]
+        if self.repeated_augment > 1:
+            keys.append(f"aug.repeated_augment={self.repeated_augment}")
+        return keys

@@ -49,7 +49,8 @@ _SCOPES = (
         lambda c: c.model.source,
     ),
     _Scope(
-        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.bad_images", "data.decode"),
+        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.bad_images", "data.decode")
+        + ("data.eval_crop_size", "data.eval_resize_size"),
         "data.dataset=imagefolder",
         _dataset_is("imagefolder"),
         _data,
@@ -119,6 +120,18 @@ _SCOPES = (
         "optim.name=sgd",
         lambda c: c.optim.name == "sgd",
         lambda c: f"optim.name={c.optim.name}",
+    ),
+    _Scope(
+        ("aug.ra_magnitude",),
+        "aug.auto_augment=ra",
+        lambda c: c.aug.auto_augment == "ra",
+        lambda c: f"aug.auto_augment={c.aug.auto_augment}",
+    ),
+    _Scope(
+        ("aug.augmix_severity",),
+        "aug.auto_augment=augmix",
+        lambda c: c.aug.auto_augment == "augmix",
+        lambda c: f"aug.auto_augment={c.aug.auto_augment}",
     ),
     _Scope(
         ("model.widths", "model.blocks_per_stage", "model.stem_stride", "model.dropout"),
