@@ -231,3 +231,23 @@ def test_a_train_loader_with_every_per_sample_aug_yields_keyed_batches(tmp_path:
     for row, key in enumerate(keys[:5]):
         assert len(key) == 3 and indices[row] == key[1]
         assert torch.equal(images[row], reference[key][0])
+
+
+def test_the_resnet50_recipe_file_states_torchvisions_published_recipe() -> None:
+    """configs/imagenet_resnet50.toml through the command line's parser, against the flags of
+    torchvision's ResNet50_Weights.IMAGENET1K_V2 recipe (its docs' training command)."""
+    cfg = parse_args([f"--config={Path(__file__).parents[1] / 'configs/imagenet_resnet50.toml'}"])
+    assert cfg.aug == AugConfig(
+        auto_augment="ta_wide",
+        random_erase=0.1,
+        mixup_alpha=0.2,
+        cutmix_alpha=1.0,
+        repeated_augment=4,
+    )
+    assert cfg.data.dataset == "imagefolder" and cfg.data.global_batch_size == 128 * 8
+    assert (cfg.data.image_size, cfg.data.eval_size) == (176, (224, 232))
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == ("sgd", 0.5, 2e-5)
+    assert (cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.grad_clip) == (0.9, False, 0.0)
+    assert cfg.optim.label_smoothing == 0.1 and cfg.optim.min_lr_ratio == 0.0
+    assert cfg.optim.warmup_steps == 5 * (1_281_167 // 1024)
+    assert cfg.model.name == "resnet50" and cfg.train.epochs == 600
