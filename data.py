@@ -179,6 +179,8 @@ def build_train_loader(
     if splits.augmented:  # the dataset's own augmentation, not ours on top (inputs.user)
         cfg = replace(cfg, augment=False)
     transform = policy(aug.auto_augment, aug.ra_magnitude, aug.augmix_severity)
+    if transform is not None:
+        _check_policy_input(splits, f"aug.auto_augment={aug.auto_augment}", cfg.source)
     augmented = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment, transform)
     dataset = NamedSamples(augmented, splits.train, cfg.source)  # a failure names its sample
     sampler = EpochSampler(dataset, info, seed, aug.repeated_augment)
@@ -201,6 +203,23 @@ def build_train_loader(
         encoded = StopSafeLoader(files, collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
     return StopSafeLoader(dataset, **options)
+
+
+def _check_policy_input(splits: DataSplits, key: str, source: str) -> None:
+    """Refuse a policy where it would not do what it says: on a dataset that augments its own
+    samples (as data.augment leaves them alone), or on float images (torchvision's policies
+    read a float image as [0, 1] intensities; a factory's may be normalised already)."""
+    if splits.augmented:
+        raise ConfigError(
+            f"{key} cannot be combined with {source}, whose training samples come augmented "
+            "(augmented=True): leave aug.auto_augment at none, or let the dataset augment alone"
+        )
+    if len(splits.train) and splits.train[0][0].is_floating_point():  # type: ignore[arg-type]
+        raise ConfigError(
+            f"{key} needs uint8 images, and {source} returns float images: return uint8 images "
+            "(normalised on the device with data.mean and data.std), or leave aug.auto_augment "
+            "at none"
+        )
 
 
 def build_eval_loader(

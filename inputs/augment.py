@@ -38,9 +38,11 @@ def policy(name: str, ra_magnitude: int = 9, augmix_severity: int = 3) -> Callab
 
 
 def seeded(transform: Callable, image: torch.Tensor, seed: int) -> torch.Tensor:
-    """`transform(image)` with torch's global generator seeded by `seed` for the call only."""
+    """`transform(image)` with torch's global CPU generator seeded by `seed` for the call only
+    (torch.manual_seed would reseed the CUDA generators too, which fork_rng(devices=[]) does
+    not restore: dropout's stream on a GPU)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         return transform(image)
 
 

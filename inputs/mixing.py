@@ -106,7 +106,7 @@ def erase(images: torch.Tensor, p: float, key: int) -> torch.Tensor:
     images = images.clone()
     with torch.random.fork_rng(devices=[]):
         for row in range(len(images)):
-            torch.manual_seed(mix64(key, 2, row))
+            torch.default_generator.manual_seed(mix64(key, 2, row))  # not CUDA's: dropout's
             if torch.rand(1) < p:
                 top, left, h, w, _ = transforms.RandomErasing.get_params(
                     images[row], scale=ERASE_SCALE, ratio=ERASE_RATIO, value=[0.0]

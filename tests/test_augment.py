@@ -251,3 +251,21 @@ def test_the_resnet50_recipe_file_states_torchvisions_published_recipe() -> None
     assert cfg.optim.label_smoothing == 0.1 and cfg.optim.min_lr_ratio == 0.0
     assert cfg.optim.warmup_steps == 5 * (1_281_167 // 1024)
     assert cfg.model.name == "resnet50" and cfg.train.epochs == 600
+
+
+def test_a_policy_on_self_augmented_or_float_samples_is_refused_naming_it() -> None:
+    """torchvision's policies read float images as [0, 1] intensities, and a dataset that
+    augments its own samples is left alone by data.augment: both refused (train.py: exit 2)."""
+    images = data.make_synthetic(16, (3, 8, 8), 2, seed=0)
+    cfg = DataConfig(dataset="synthetic", batch_size=4, num_workers=0)
+    aug = AugConfig(auto_augment="ra")
+    shape = (3, 8, 8)
+    own = data.DataSplits(images, images, shape, 2, (0.5,) * 3, (0.2,) * 3, augmented=True)
+    with pytest.raises(ConfigError, match="aug.auto_augment=ra cannot be combined with"):
+        data.build_train_loader(own, cfg, info(), 0, "dataloader", "none", aug)
+    floats = torch.utils.data.TensorDataset(images.images.float() / 255, images.labels)
+    as_float = data.DataSplits(floats, floats, shape, 2, (0.5,) * 3, (0.2,) * 3)
+    with pytest.raises(ConfigError, match="aug.auto_augment=ra needs uint8 images"):
+        data.build_train_loader(as_float, cfg, info(), 0, "dataloader", "none", aug)
+    plain = data.DataSplits(images, images, shape, 2, (0.5,) * 3, (0.2,) * 3)
+    assert data.build_train_loader(plain, cfg, info(), 0, "dataloader", "none", aug)
