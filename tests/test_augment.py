@@ -155,6 +155,31 @@ def test_eval_sizes_resize_and_crop_as_torchvision_and_default_as_before(tmp_pat
     assert DataConfig(eval_resize_size=232, eval_crop_size=224).eval_size == (224, 232)
 
 
+def test_an_image_folder_dataset_trains_and_evaluates_at_its_own_sizes(tmp_path) -> None:
+    """Through data.build_datasets and both loaders, as a run builds them: 176 -> 232 -> 224
+    in miniature (train crop 12, eval resize 20, eval crop 16)."""
+    for split in ("train", "val"):
+        make_folder(tmp_path / split, {"cat": 4, "dog": 4}, size=(30, 26))
+    cfg = DataConfig(
+        dataset="imagefolder",
+        root=str(tmp_path),
+        image_size=12,
+        eval_resize_size=20,
+        eval_crop_size=16,
+        batch_size=4,
+        eval_batch_size=8,
+        num_workers=0,
+    )
+    splits = data.build_datasets(cfg, 0, info())
+    train = data.build_train_loader(splits, cfg, info(), 0, "dataloader", "workers")
+    data.set_epoch(train, 0)
+    evaluated, _ = next(iter(data.build_eval_loader(splits, cfg, info(), 0, "workers")))
+    assert next(iter(train))[0].shape == (4, 3, 12, 12) and evaluated.shape == (8, 3, 16, 16)
+    decoded = imagefolder.read(splits.eval.samples[0][0])
+    want = F.center_crop(F.resize(decoded, [20], antialias=True), [16, 16])
+    assert torch.equal(evaluated[0], want)
+
+
 def test_device_decoding_evaluates_at_the_eval_sizes_too(tmp_path) -> None:
     make_folder(tmp_path, {"a": 3, "b": 2}, size=(44, 30))
     (tmp_path / "b" / "bad.jpg").write_bytes(b"not a jpeg")
