@@ -84,8 +84,8 @@ def loader(
 ) -> str:
     """data.loader: auto = device for an in-memory dataset (on CPU always; on a GPU when its
     uint8 images take under a quarter of the free memory), dataloader otherwise, and whenever
-    aug asks for work per sample (`per_sample`: a policy, repeated copies; config.Config
-    refuses data.loader=device with them)."""
+    aug asks for work per sample (`per_sample`: a policy; config.Config refuses
+    data.loader=device with one)."""
     if setting == "dataloader" or per_sample:
         return "dataloader"
     if in_memory_numel is None:
@@ -112,8 +112,8 @@ def decode(
     its training files named .jpg or .jpeg, at least 90%: other formats decode on the CPU in
     the training process on that path) on a CUDA GPU whose batched JPEG decoder works (checked
     on a test image; a warning says why not otherwise); workers elsewhere, where a CPU's cores
-    decode in parallel in the loader workers, and wherever aug asks for work per sample (as
-    data.loader). "none" for datasets in memory."""
+    decode in parallel in the loader workers, and wherever aug asks for work per sample (a
+    policy, repeated copies: AugConfig.worker_only). "none" for datasets in memory."""
     if not image_folder:
         return "none"
     if setting != "auto":
@@ -201,20 +201,25 @@ def resolve(
     (parallel.Layout.of when not given)."""
     device = info.device
     layout = layout if layout is not None else Layout.of(cfg.dist, info)
-    per_sample = bool(cfg.aug.per_sample)
     return Auto(
         backend=info.backend or "none",
         amp=amp(cfg.train.amp, device),
         compile=compile_model(cfg.train.compile, device),
         channels_last=channels_last(cfg.model.channels_last, device),
         optimizer_impl=optimizer_impl(cfg.optim.impl, device),
-        loader=loader(cfg.data.loader, cfg.data.source, in_memory_numel, device, per_sample),
+        loader=loader(
+            cfg.data.loader,
+            cfg.data.source,
+            in_memory_numel,
+            device,
+            bool(cfg.aug.worker_only("loader")),
+        ),
         decode=decode(
             cfg.data.decode,
             cfg.data.source == "data.dataset=imagefolder",
             device,
             jpeg_share,
-            per_sample,
+            bool(cfg.aug.worker_only("decode")),
         ),
         progress=progress(cfg.log.progress),
         ckpt_format=ckpt_format(cfg.ckpt.format, layout),

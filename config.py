@@ -540,15 +540,14 @@ class Config:
                     "rank takes rank 0's BatchNorm statistics at each step (as DDP does); use "
                     "model.norm=batch, or dist.strategy=ddp for SyncBatchNorm"
                 )
-        paths = ("loader", "decode")
-        on_device = [f"data.{k}=device" for k in paths if getattr(self.data, k) == "device"]
-        if on_device and self.aug.per_sample:
-            raise ConfigError(
-                f"{', '.join(self.aug.per_sample)} cannot be combined with {', '.join(on_device)}"
-                ": the policy and the repeated copies are made per sample in the DataLoader's "
-                "workers; leave data.loader and data.decode at auto (or set them to dataloader "
-                "and workers)"
-            )
+        for path in ("loader", "decode"):
+            if getattr(self.data, path) == "device" and self.aug.worker_only(path):
+                raise ConfigError(
+                    f"{', '.join(self.aug.worker_only(path))} cannot be combined with data."
+                    f"{path}=device: {self.aug.worker_only(path)[0].split('=')[0]} is made per "
+                    f"sample in the DataLoader's workers; leave data.{path} at auto (or set it "
+                    f"to {'dataloader' if path == 'loader' else 'workers'})"
+                )
         if self.dist.static_graph and self.train.grad_accum_steps > 1:
             raise ConfigError(
                 f"dist.static_graph=true cannot be combined with train.grad_accum_steps="

@@ -173,8 +173,8 @@ def build_train_loader(
     """The training loader: `DeviceLoader` or a DataLoader, as `loader` says (device or
     dataloader: data.loader as auto.loader resolved it, in the run's auto.Auto record). An image
     folder's DataLoader decodes in its workers, or with `decode="device"` (auto.decode) in a
-    `DecodingLoader`. aug's policy and repeated copies run on the DataLoader's worker path
-    only (auto.loader and auto.decode pick it)."""
+    `DecodingLoader`. aug's policy runs in the DataLoader's workers only, and its repeated
+    copies not in a DecodingLoader (auto.loader and auto.decode pick the paths)."""
     aug = aug or AugConfig()
     if splits.augmented:  # the dataset's own augmentation, not ours on top (inputs.user)
         cfg = replace(cfg, augment=False)
@@ -190,7 +190,8 @@ def build_train_loader(
             f"{info.world_size} ranks gets {len(sampler)} of the {len(dataset)} training "
             "samples; lower data.batch_size (or use fewer ranks)"
         )
-    assert not (aug.per_sample and "device" in (loader, decode)), "auto.loader, auto.decode"
+    assert loader != "device" or not aug.worker_only("loader"), "auto.loader picks workers"
+    assert decode != "device" or not aug.worker_only("decode"), "auto.decode picks workers"
     if loader == "device":
         base = in_memory(splits.train)
         assert base is not None, "auto.loader chose the device path for a dataset read from files"

@@ -104,10 +104,11 @@ class AugConfig(Section):
     def mixing(self) -> bool:
         return self.mixup_alpha > 0 or self.cutmix_alpha > 0
 
-    @property
-    def per_sample(self) -> list[str]:
-        """The keys set that only the DataLoader's per-sample path runs."""
+    def worker_only(self, path: str) -> list[str]:
+        """The settings that data.<path>=device cannot run (path: loader or decode): a policy
+        runs per sample in the DataLoader's workers; repeated copies reach the device loader's
+        batched crops, not the device decoder's."""
         keys = [] if self.auto_augment == "none" else [f"aug.auto_augment={self.auto_augment}"]
-        if self.repeated_augment > 1:
+        if path == "decode" and self.repeated_augment > 1:
             keys.append(f"aug.repeated_augment={self.repeated_augment}")
         return keys

@@ -35,19 +35,26 @@ def sample_key(seed: int, epoch: int, index: int, repeat: int = 0) -> int:
     return mix64(seed, epoch, index, repeat) if repeat else mix64(seed, epoch, index)
 
 
-def mix64_many(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
-    """`mix64(seed, epoch, index)` for an array of indices (uint64 arithmetic wraps)."""
-    h = np.full(indices.shape, 0x9E3779B97F4A7C15, dtype=np.uint64)
+def _round(h: np.ndarray, value: np.ndarray | np.uint64) -> np.ndarray:
+    """One of mix64's rounds, for arrays (uint64 arithmetic wraps)."""
     with np.errstate(over="ignore"):
-        for value in (
-            np.uint64(seed & _MASK64),
-            np.uint64(epoch & _MASK64),
-            indices.astype(np.uint64),
-        ):
-            h = (h ^ value) * _M1
-            h = (h ^ (h >> np.uint64(27))) * _M2
-            h ^= h >> np.uint64(31)
-    return h
+        h = (h ^ value) * _M1
+        h = (h ^ (h >> np.uint64(27))) * _M2
+        return h ^ (h >> np.uint64(31))
+
+
+def mix64_many(
+    seed: int, epoch: int, indices: np.ndarray, copies: np.ndarray | None = None
+) -> np.ndarray:
+    """`sample_key(seed, epoch, index, copy)` for arrays of indices (and copies): mix64
+    hashes its values in turn, so a copy is one more round, and copy 0 the plain hash."""
+    h = np.full(indices.shape, 0x9E3779B97F4A7C15, dtype=np.uint64)
+    for value in (np.uint64(seed & _MASK64), np.uint64(epoch & _MASK64)):
+        h = _round(h, value)
+    h = _round(h, indices.astype(np.uint64))
+    if copies is None:
+        return h
+    return np.where(copies > 0, _round(h, copies.astype(np.uint64)), h)
 
 
 class EpochSampler(DistributedSampler):

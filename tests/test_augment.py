@@ -218,6 +218,10 @@ def test_eval_sizes_are_for_image_folders_and_checked() -> None:
             ["--aug.repeated_augment=3", "--data.dataset=imagefolder", "--data.decode=device"],
             "aug.repeated_augment=3 cannot be combined with data.decode=device",
         ),
+        (
+            ["--aug.auto_augment=ta_wide", "--data.dataset=imagefolder", "--data.decode=device"],
+            "aug.auto_augment=ta_wide cannot be combined with data.decode=device",
+        ),
     ],
 )
 def test_bad_aug_settings_are_refused_naming_key_and_value(argv, named) -> None:
@@ -226,13 +230,37 @@ def test_bad_aug_settings_are_refused_naming_key_and_value(argv, named) -> None:
     assert named in " ".join(str(err.value).split())
 
 
-def test_auto_picks_the_dataloader_and_worker_decoding_for_per_sample_aug() -> None:
-    for aug in (AugConfig(auto_augment="ta_wide"), AugConfig(repeated_augment=2)):
-        cfg = Config(aug=aug)
-        assert auto.resolve(cfg, info(), in_memory_numel=1000).loader == "dataloader"
-        assert auto.decode("auto", True, torch.device("cuda"), 1.0, per_sample=True) == "workers"
+def test_auto_picks_the_dataloader_for_a_policy_and_worker_decoding_for_repeats() -> None:
+    policy_on = Config(aug=AugConfig(auto_augment="ta_wide"))
+    repeats = AugConfig(repeated_augment=2)
+    assert auto.resolve(policy_on, info(), in_memory_numel=1000).loader == "dataloader"
+    assert auto.resolve(Config(aug=repeats), info(), in_memory_numel=1000).loader == "device"
     assert auto.resolve(Config(aug=AugConfig(mixup_alpha=0.2)), info(), 1000).loader == "device"
     assert auto.resolve(Config(), info(), in_memory_numel=1000).loader == "device"
+    for aug in (policy_on.aug, repeats):  # before the GPU decoder's check is looked at
+        workers = bool(aug.worker_only("decode"))
+        assert auto.decode("auto", True, torch.device("cuda"), 1.0, workers) == "workers"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_device_loader_yields_the_dataloaders_repeated_batches_bit_for_bit(world_size):
+    """aug.repeated_augment on the device loader: its batched crops and flips hashed with the
+    copy (mix64_many's extra round) against the per-sample DataLoader path, resumed mid-epoch."""
+    base = data.make_synthetic(300, (3, 12, 12), 10, seed=0)
+    splits = data.DataSplits(base, base, (3, 12, 12), 10, (0.5,) * 3, (0.25,) * 3)
+    aug = AugConfig(repeated_augment=3)
+    batches = {}
+    for kind in ("dataloader", "device"):
+        cfg = DataConfig(batch_size=16, num_workers=0, loader=kind, crop_padding=2)
+        loader = data.build_train_loader(
+            splits, cfg, info(world_size - 1, world_size), 5, kind, "none", aug
+        )
+        data.set_epoch(loader, 2, consumed=32 * world_size)
+        batches[kind] = list(loader)
+    assert len(batches["device"]) == len(batches["dataloader"]) > 3
+    for ours, reference in zip(batches["device"], batches["dataloader"], strict=True):
+        for a, b in zip(ours, reference, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_train_loader_with_every_per_sample_aug_yields_keyed_batches(tmp_path: Path) -> None:
