@@ -542,11 +542,12 @@ class Config:
                 )
         for path in ("loader", "decode"):
             if getattr(self.data, path) == "device" and self.aug.worker_only(path):
+                other = "dataloader" if path == "loader" else "workers"
                 raise ConfigError(
                     f"{', '.join(self.aug.worker_only(path))} cannot be combined with data."
-                    f"{path}=device: {self.aug.worker_only(path)[0].split('=')[0]} is made per "
-                    f"sample in the DataLoader's workers; leave data.{path} at auto (or set it "
-                    f"to {'dataloader' if path == 'loader' else 'workers'})"
+                    f"{path}=device, which cannot make it (a policy runs per sample in the "
+                    "DataLoader's workers; the device decoder knows no repeated sample's copy): "
+                    f"leave data.{path} at auto (or {other})"
                 )
         if self.dist.static_graph and self.train.grad_accum_steps > 1:
             raise ConfigError(

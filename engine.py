@@ -132,11 +132,11 @@ def forward_backward(
     for i, (images, labels) in enumerate(micro_batches):
         # Only the last micro-step reduces the gradients; forward AND backward sit inside.
         with parallel.gradient_sync(model, enabled=i == num_micro - 1):
+            keep, classes = counted_rows(labels)
+            # A float target's mean runs over every row: leave out those not counted.
+            rows = keep if labels.is_floating_point() else slice(None)
             with autocast(device, amp_dtype):
                 logits = _forward(model, images)
-                keep, classes = counted_rows(labels)
-                # A float target's mean runs over every row: leave out those not counted.
-                rows = keep if labels.is_floating_point() else slice(None)
                 loss = loss_fn(logits[rows], labels[rows])
             scaler.scale(loss / num_micro).backward()
         counted = keep.sum()  # the loss is the mean over these
