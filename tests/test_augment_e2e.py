@@ -7,8 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
+from conftest import needs_fashion_mnist
 from helpers import (
     REPO,
     assert_same_training_state,
@@ -21,6 +25,7 @@ from helpers import (
 from test_signals import checkpoints, deliver, job_tree, launcher_command
 
 import exitcodes
+from inputs import imagefolder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -84,3 +89,53 @@ def test_every_augmentation_on_stopped_by_sigterm_mid_epoch_resumes_exactly(tmp_
     reference = final_state(reference_dir)
     assert reference["step"] == STEPS
     assert_same_training_state(final_state(run_dir), reference)
+
+
+@pytest.fixture
+def fashion_jpegs(tmp_path) -> Path:
+    """Fashion-MNIST as JPEG files at 40 px: 10 classes x 40 training images, 10 x 10 val."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from export_imagefolder import export
+
+    root = tmp_path / "fashion"
+    export(root, size=40, train_per_class=40, val_per_class=10, root=str(tmp_path / "fm"))
+    return root
+
+
+@needs_fashion_mnist
+def test_a_jpeg_folder_trains_with_the_recipes_augmentation_and_sizes(tmp_path, fashion_jpegs):
+    """Every part on an image folder through train.py, with an unreadable image skipped (its
+    IGNORED label mixed into no other sample), the evaluation at its own sizes: it trains, and
+    the epoch's sample count is that of the repeated order's first 400 keys, less the broken
+    file's copies among them."""
+    root = fashion_jpegs
+    (root / "train" / "coat" / "broken.jpg").write_bytes(b"\xff\xd8\xff not really a JPEG")
+    args = [
+        f"--run.dir={tmp_path / 'run'}",
+        "--data.dataset=imagefolder",
+        f"--data.root={root}",
+        "--data.image_size=24",
+        "--data.eval_resize_size=36",
+        "--data.eval_crop_size=32",
+        "--data.batch_size=40",
+        "--data.bad_images=skip",
+        "--data.num_workers=1",
+        "--train.epochs=4",
+        "--log.tensorboard=false",
+        "--aug.mixup_alpha=0.2",
+        "--aug.cutmix_alpha=1.0",
+        "--aug.auto_augment=ra",
+        "--aug.random_erase=0.25",
+        "--aug.repeated_augment=2",
+    ]
+    done = launch(None, *args, timeout=600)
+    assert done.returncode == 0, done.output[-4000:]
+    assert "data.decode=auto->workers" in done.output
+    first, *_, last = rows(tmp_path / "run", "eval")
+    assert first["num_samples"] == last["num_samples"] == 100
+    assert last["accuracy"] > 0.15 and last["loss"] < first["loss"]  # ten classes: chance 0.1
+    paths = [path for path, _ in imagefolder.scan(root / "train")[1]]
+    broken = paths.index(str(root / "train" / "coat" / "broken.jpg"))
+    order = torch.randperm(401, generator=torch.Generator().manual_seed(0))
+    keys = order.repeat_interleave(2)[:400].tolist()
+    assert first["epoch_samples_seen"] == 400 - keys.count(broken)
