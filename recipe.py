@@ -88,9 +88,10 @@ class AugConfig(Section):
     """cutmix of each training batch with itself rolled by one, the box's
     area drawn from Beta(alpha, alpha); 0 = off"""
     repeated_augment: int = 1
-    """repeated-augmentation sampler: each epoch's order holds every sample
-    this many times in a row, differently augmented, spread over the
-    ranks, and an epoch stays len(dataset) samples long; 1 = off"""
+    """repeated-augmentation sampler (torchvision's --ra-sampler --ra-reps):
+    each epoch's order holds every sample this many times in a row,
+    differently augmented, spread over the ranks, and an epoch stays
+    len(dataset) samples long; 1 = off. Not with data.decode=device"""
 
     def __post_init__(self) -> None:
         self._require("ra_magnitude", 0 <= self.ra_magnitude <= 30, "must be in 0..30")
