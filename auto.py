@@ -75,11 +75,19 @@ def optimizer_impl(setting: str, device: torch.device) -> str:
     return setting
 
 
-def loader(setting: str, dataset: str, in_memory_numel: int | None, device: torch.device) -> str:
+def loader(
+    setting: str,
+    dataset: str,
+    in_memory_numel: int | None,
+    device: torch.device,
+    per_sample: bool = False,
+) -> str:
     """data.loader: auto = device for an in-memory dataset (on CPU always; on a GPU when its
-    uint8 images take under a quarter of the free memory), dataloader otherwise."""
-    if setting == "dataloader":
-        return setting
+    uint8 images take under a quarter of the free memory), dataloader otherwise, and whenever
+    aug asks for work per sample (`per_sample`: a policy; config.Config refuses
+    data.loader=device with one)."""
+    if setting == "dataloader" or per_sample:
+        return "dataloader"
     if in_memory_numel is None:
         if setting == "device":
             raise ConfigError(
@@ -93,16 +101,25 @@ def loader(setting: str, dataset: str, in_memory_numel: int | None, device: torc
     return "device" if in_memory_numel < free // 4 else "dataloader"
 
 
-def decode(setting: str, image_folder: bool, device: torch.device, jpeg_share: float = 1.0) -> str:
+def decode(
+    setting: str,
+    image_folder: bool,
+    device: torch.device,
+    jpeg_share: float = 1.0,
+    per_sample: bool = False,
+) -> str:
     """data.decode: auto = device for an image folder of JPEG files (`jpeg_share`, the share of
     its training files named .jpg or .jpeg, at least 90%: other formats decode on the CPU in
     the training process on that path) on a CUDA GPU whose batched JPEG decoder works (checked
     on a test image; a warning says why not otherwise); workers elsewhere, where a CPU's cores
-    decode in parallel in the loader workers. "none" for datasets in memory."""
+    decode in parallel in the loader workers, and wherever aug asks for work per sample (a
+    policy, repeated copies: AugConfig.worker_only). "none" for datasets in memory."""
     if not image_folder:
         return "none"
     if setting != "auto":
         return setting
+    if per_sample:
+        return "workers"
     if device.type != "cuda":
         return "workers"
     if jpeg_share < 0.9:
@@ -190,9 +207,19 @@ def resolve(
         compile=compile_model(cfg.train.compile, device),
         channels_last=channels_last(cfg.model.channels_last, device),
         optimizer_impl=optimizer_impl(cfg.optim.impl, device),
-        loader=loader(cfg.data.loader, cfg.data.source, in_memory_numel, device),
+        loader=loader(
+            cfg.data.loader,
+            cfg.data.source,
+            in_memory_numel,
+            device,
+            bool(cfg.aug.worker_only("loader")),
+        ),
         decode=decode(
-            cfg.data.decode, cfg.data.source == "data.dataset=imagefolder", device, jpeg_share
+            cfg.data.decode,
+            cfg.data.source == "data.dataset=imagefolder",
+            device,
+            jpeg_share,
+            bool(cfg.aug.worker_only("decode")),
         ),
         progress=progress(cfg.log.progress),
         ckpt_format=ckpt_format(cfg.ckpt.format, layout),

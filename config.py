@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import exitcodes
-from recipe import LossConfig, MetricsConfig, OptimConfig
+from recipe import AugConfig, LossConfig, MetricsConfig, OptimConfig, TrainConfig
 from schema import (  # re-exported: the rest of the pipeline imports them from here
     FACTORY,
     FACTORY_FIX,
@@ -45,6 +45,7 @@ __all__ = [
     "RESERVED_KWARGS",
     "SHARDED_STRATEGIES",
     "SIGNAL_NAMES",
+    "AugConfig",
     "CkptConfig",
     "Config",
     "ConfigError",
@@ -176,11 +177,19 @@ class DataConfig(Section):
     (test-time augmentation; twice the evaluation compute)"""
     image_size: int = 224
     """imagefolder: side in pixels of the square training crop
-    (RandomResizedCrop) and of the evaluation center crop"""
+    (RandomResizedCrop) and, unless data.eval_crop_size, of the
+    evaluation center crop"""
     crop_ratio: float = 0.875
-    """imagefolder evaluation: resize the shorter side to image_size /
-    crop_ratio, then center-crop image_size (256 -> 224 as in
-    torchvision's references)"""
+    """imagefolder evaluation: unless data.eval_resize_size, resize the
+    shorter side to the eval crop size / crop_ratio, then center-crop
+    (256 -> 224 as in torchvision's references)"""
+    eval_crop_size: int = 0
+    """imagefolder evaluation: side of the center crop (torchvision's
+    --val-crop-size); 0 = data.image_size"""
+    eval_resize_size: int = 0
+    """imagefolder evaluation: the shorter side is resized to this before
+    the center crop (torchvision's --val-resize-size); 0 = the eval crop
+    size / data.crop_ratio"""
     crop_scale: tuple[float, ...] = (0.08, 1.0)
     """imagefolder training: RandomResizedCrop's range of the crop's area
     as a fraction of the image's (aspect ratios 3/4 to 4/3)"""
@@ -227,6 +236,9 @@ class DataConfig(Section):
         self._require("crop_padding", self.crop_padding >= 0, "must be >= 0")
         self._require("image_size", self.image_size >= 8, "must be >= 8")
         self._require("crop_ratio", 0 < finite(self.crop_ratio) <= 1, "must be in (0, 1]")
+        self._require("eval_crop_size", self.eval_crop_size in (0, *range(8, 1 << 16)), ">= 8")
+        resize_ok = self.eval_resize_size == 0 or self.eval_resize_size >= self.eval_size[0]
+        self._require("eval_resize_size", resize_ok, "0, or >= the eval crop size")
         scale = self.crop_scale
         scale_ok = len(scale) == 2 and 0 < finite(scale[0]) <= finite(scale[1]) <= 1
         self._require("crop_scale", scale_ok, "give MIN,MAX with 0 < MIN <= MAX <= 1")
@@ -242,6 +254,12 @@ class DataConfig(Section):
         self._require("synthetic_eval_size", self.synthetic_eval_size >= 1, "must be >= 1")
         self._require("synthetic_shape", image_shape(self.synthetic_shape), "give C,H,W; H, W >= 8")
         self._require("synthetic_num_classes", self.synthetic_num_classes >= 2, "must be >= 2")
+
+    @property
+    def eval_size(self) -> tuple[int, int]:
+        """imagefolder evaluation: (center crop side, shorter side resized to), derived."""
+        crop = self.eval_crop_size or self.image_size
+        return crop, self.eval_resize_size or int(crop / self.crop_ratio)
 
     @property
     def source(self) -> str:
@@ -329,62 +347,6 @@ class ModelConfig(Section):
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-
-
-@dataclass(frozen=True)
-class TrainConfig(Section):
-    """How long to train, precision, compilation and seeding."""
-
-    _name: ClassVar[str] = "train"
-
-    epochs: int = 10
-    """passes over the training set"""
-    max_steps: int = 0
-    """stop after this many optimizer steps in total; 0 = no limit"""
-    grad_accum_steps: int = 1
-    """micro-steps per optimizer step; only the last one all-reduces
-    gradients"""
-    amp: Literal["auto", "none", "bf16", "fp16"] = "auto"
-    """autocast precision: auto = bf16 on CUDA devices that support it,
-    none on CPU; fp16 adds a GradScaler"""
-    seed: int = 0
-    """seed of model init, data order and augmentation (same on every rank);
-    each rank's own random stream (dropout) is seeded with seed + rank"""
-    compile: Literal["auto", "on", "off"] = "auto"
-    """wrap the model in torch.compile; auto = on CUDA, off on CPU"""
-    cuda_fast_math: bool = True
-    """on CUDA: cudnn.benchmark and TF32 matmuls/convolutions for fp32 work"""
-    deterministic: bool = False
-    """deterministic kernels (torch.use_deterministic_algorithms, cuDNN's
-    deterministic algorithms without autotuning, CUBLAS_WORKSPACE_CONFIG):
-    a run and its resume repeat bit for bit on a GPU, at some speed; an op
-    with no deterministic kernel is named in a warning. CPU kernels are
-    deterministic already"""
-    ema_decay: float = 0.0
-    """evaluate an exponential moving average of the weights with this
-    decay per optimizer step (e.g. 0.998; saved in checkpoints as "ema");
-    0 = evaluate the weights as they are"""
-    ema_every_steps: int = 1
-    """update the average on every N-th optimizer step of an epoch
-    (torchvision's --model-ema-steps)"""
-    ema_adjust: bool = False
-    """scale 1 - ema_decay by the global batch x ema_every_steps /
-    train.epochs, as torchvision's reference adjusts --model-ema-decay"""
-    ema_warmup_reset: bool = False
-    """restart the average from the weights at each update of the warm-up
-    (torchvision's reference resets it in its warm-up epochs)"""
-    max_nonfinite_steps: int = 5
-    """consecutive optimizer steps with a non-finite loss or gradient (each
-    skipped on every rank) after which the run stops with exit code 3"""
-
-    def __post_init__(self) -> None:
-        self._require("epochs", self.epochs >= 1, "must be >= 1")
-        self._require("max_nonfinite_steps", self.max_nonfinite_steps >= 1, "must be >= 1")
-        self._require("max_steps", self.max_steps >= 0, "use 0 for no limit or a positive count")
-        self._require("grad_accum_steps", self.grad_accum_steps >= 1, "must be >= 1")
-        self._require("seed", self.seed >= 0, "must be >= 0")
-        self._require("ema_decay", 0 <= finite(self.ema_decay) < 1, "in [0, 1); 0 = off")
-        self._require("ema_every_steps", self.ema_every_steps >= 1, "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -531,6 +493,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -555,6 +518,15 @@ class Config:
                     f"model.norm=syncbatch cannot be combined with {where}: under fsdp every "
                     "rank takes rank 0's BatchNorm statistics at each step (as DDP does); use "
                     "model.norm=batch, or dist.strategy=ddp for SyncBatchNorm"
+                )
+        for path in ("loader", "decode"):
+            if getattr(self.data, path) == "device" and self.aug.worker_only(path):
+                other = "dataloader" if path == "loader" else "workers"
+                raise ConfigError(
+                    f"{', '.join(self.aug.worker_only(path))} cannot be combined with data."
+                    f"{path}=device, which cannot make it (a policy runs per sample in the "
+                    "DataLoader's workers; the device decoder knows no repeated sample's copy): "
+                    f"leave data.{path} at auto (or {other})"
                 )
         if self.dist.static_graph and self.train.grad_accum_steps > 1:
             raise ConfigError(

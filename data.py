@@ -16,10 +16,10 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import distributed
-from config import ConfigError, DataConfig
+from config import AugConfig, ConfigError, DataConfig
 from distributed import DistInfo
 from inputs import imagefolder
-from inputs.augment import Augmented
+from inputs.augment import Augmented, policy
 from inputs.failures import NamedSamples
 from inputs.loaders import (
     DecodingLoader,
@@ -32,6 +32,7 @@ from inputs.loaders import (
     loader_options,
     worker_pids,
 )
+from inputs.mixing import BatchAugment
 from inputs.sampling import EpochSampler, ShardSampler
 from inputs.sources import (
     BUILDERS,
@@ -62,6 +63,7 @@ __all__ = [
     "STATS",
     "Augmented",
     "BadLabel",
+    "BatchAugment",
     "DataSplits",
     "DatasetNotFoundError",
     "DecodingLoader",
@@ -167,22 +169,30 @@ def build_train_loader(
     seed: int,
     loader: str,
     decode: str = "workers",
+    aug: AugConfig | None = None,
 ) -> DataLoader | DeviceLoader | DecodingLoader:
     """The training loader: `DeviceLoader` or a DataLoader, as `loader` says (device or
     dataloader: data.loader as auto.loader resolved it, in the run's auto.Auto record). An image
     folder's DataLoader decodes in its workers, or with `decode="device"` (auto.decode) in a
-    `DecodingLoader`."""
+    `DecodingLoader`. aug's policy runs in the DataLoader's workers only, and its repeated
+    copies not in a DecodingLoader (auto.loader and auto.decode pick the paths)."""
+    aug = aug or AugConfig()
     if splits.augmented:  # the dataset's own augmentation, not ours on top (inputs.user)
         cfg = replace(cfg, augment=False)
-    augmented = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment)
+    transform = policy(aug.auto_augment, aug.ra_magnitude, aug.augmix_severity)
+    if transform is not None:
+        _check_policy_input(splits, f"aug.auto_augment={aug.auto_augment}", cfg.source)
+    augmented = Augmented(splits.train, seed, cfg.crop_padding, cfg.augment, transform)
     dataset = NamedSamples(augmented, splits.train, cfg.source)  # a failure names its sample
-    sampler = EpochSampler(dataset, info, seed)
+    sampler = EpochSampler(dataset, info, seed, aug.repeated_augment)
     if len(sampler) < cfg.batch_size:
         raise ConfigError(
             f"data.batch_size={cfg.batch_size} exceeds a rank's shard: each of the "
             f"{info.world_size} ranks gets {len(sampler)} of the {len(dataset)} training "
             "samples; lower data.batch_size (or use fewer ranks)"
         )
+    assert loader != "device" or not aug.worker_only("loader"), "auto.loader picks workers"
+    assert decode != "device" or not aug.worker_only("decode"), "auto.decode picks workers"
     if loader == "device":
         base = in_memory(splits.train)
         assert base is not None, "auto.loader chose the device path for a dataset read from files"
@@ -195,6 +205,23 @@ def build_train_loader(
         encoded = StopSafeLoader(files, collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
     return StopSafeLoader(dataset, **options)
+
+
+def _check_policy_input(splits: DataSplits, key: str, source: str) -> None:
+    """Refuse a policy where it would not do what it says: on a dataset that augments its own
+    samples (as data.augment leaves them alone), or on float images (torchvision's policies
+    read a float image as [0, 1] intensities; a factory's may be normalised already)."""
+    if splits.augmented:
+        raise ConfigError(
+            f"{key} cannot be combined with {source}, whose training samples come augmented "
+            "(augmented=True): leave aug.auto_augment at none, or let the dataset augment alone"
+        )
+    if len(splits.train) and splits.train[0][0].is_floating_point():  # type: ignore[arg-type]
+        raise ConfigError(
+            f"{key} needs uint8 images, and {source} returns float images: return uint8 images "
+            "(normalised on the device with data.mean and data.std), or leave aug.auto_augment "
+            "at none"
+        )
 
 
 def build_eval_loader(

@@ -1,5 +1,6 @@
-"""The config sections of a training recipe: the optimizer and its schedule, the loss and the
-user's metric.
+"""The config sections of a training recipe: its length and precision, the optimizer and its
+schedule, the loss, the user's metric, and the augmentation of torchvision's reference
+classification recipe (docs/recipes.md).
 
 Apart from config.py only to keep each file readable; `config.Config` composes them.
 """
@@ -158,3 +159,115 @@ class MetricsConfig(Section):
 
     def __post_init__(self) -> None:
         self._require_factory()
+
+
+@dataclass(frozen=True)
+class AugConfig(Section):
+    """Augmentation beyond data.augment's crop and flip: torchvision's reference recipe
+    (docs/recipes.md). Every draw comes from the seed, epoch and sample or step: exact on
+    resume."""
+
+    _name: ClassVar[str] = "aug"
+
+    auto_augment: Literal["none", "ra", "ta_wide", "augmix", "autoaugment"] = "none"
+    """automatic augmentation policy of each training image, after the crop
+    and flip (torchvision's RandAugment, TrivialAugmentWide, AugMix,
+    AutoAugment with the ImageNet policy); none = off. Runs per sample in
+    the DataLoader workers (data.loader=auto picks them)"""
+    ra_magnitude: int = 9
+    """aug.auto_augment=ra: RandAugment's magnitude, 0..30"""
+    augmix_severity: int = 3
+    """aug.auto_augment=augmix: AugMix's severity, 1..10"""
+    random_erase: float = 0.0
+    """probability of erasing a random rectangle of each training image to 0
+    after normalisation (torchvision's RandomErasing, on the device); 0 =
+    off"""
+    mixup_alpha: float = 0.0
+    """mixup of each training batch with itself rolled by one, the weight
+    drawn from Beta(alpha, alpha); 0 = off. With aug.cutmix_alpha too,
+    each batch takes one of the two at even odds"""
+    cutmix_alpha: float = 0.0
+    """cutmix of each training batch with itself rolled by one, the box's
+    area drawn from Beta(alpha, alpha); 0 = off"""
+    repeated_augment: int = 1
+    """repeated-augmentation sampler (torchvision's --ra-sampler --ra-reps):
+    each epoch's order holds every sample this many times in a row,
+    differently augmented, spread over the ranks, and an epoch stays
+    len(dataset) samples long; 1 = off. Not with data.decode=device"""
+
+    def __post_init__(self) -> None:
+        self._require("ra_magnitude", 0 <= self.ra_magnitude <= 30, "must be in 0..30")
+        self._require("augmix_severity", 1 <= self.augmix_severity <= 10, "must be in 1..10")
+        self._require("random_erase", 0 <= finite(self.random_erase) <= 1, "must be in [0, 1]")
+        self._require("mixup_alpha", finite(self.mixup_alpha) >= 0, "must be >= 0 (0 = off)")
+        self._require("cutmix_alpha", finite(self.cutmix_alpha) >= 0, "must be >= 0 (0 = off)")
+        self._require("repeated_augment", self.repeated_augment >= 1, "must be >= 1 (1 = off)")
+
+    @property
+    def mixing(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+    def worker_only(self, path: str) -> list[str]:
+        """The settings that data.<path>=device cannot run (path: loader or decode): a policy
+        runs per sample in the DataLoader's workers; repeated copies reach the device loader's
+        batched crops, not the device decoder's."""
+        keys = [] if self.auto_augment == "none" else [f"aug.auto_augment={self.auto_augment}"]
+        if path == "decode" and self.repeated_augment > 1:
+            keys.append(f"aug.repeated_augment={self.repeated_augment}")
+        return keys
+
+
+@dataclass(frozen=True)
+class TrainConfig(Section):
+    """How long to train, precision, compilation and seeding."""
+
+    _name: ClassVar[str] = "train"
+
+    epochs: int = 10
+    """passes over the training set"""
+    max_steps: int = 0
+    """stop after this many optimizer steps in total; 0 = no limit"""
+    grad_accum_steps: int = 1
+    """micro-steps per optimizer step; only the last one all-reduces
+    gradients"""
+    amp: Literal["auto", "none", "bf16", "fp16"] = "auto"
+    """autocast precision: auto = bf16 on CUDA devices that support it,
+    none on CPU; fp16 adds a GradScaler"""
+    seed: int = 0
+    """seed of model init, data order and augmentation (same on every rank);
+    each rank's own random stream (dropout) is seeded with seed + rank"""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """wrap the model in torch.compile; auto = on CUDA, off on CPU"""
+    cuda_fast_math: bool = True
+    """on CUDA: cudnn.benchmark and TF32 matmuls/convolutions for fp32 work"""
+    deterministic: bool = False
+    """deterministic kernels (torch.use_deterministic_algorithms, cuDNN's
+    deterministic algorithms without autotuning, CUBLAS_WORKSPACE_CONFIG):
+    a run and its resume repeat bit for bit on a GPU, at some speed; an op
+    with no deterministic kernel is named in a warning. CPU kernels are
+    deterministic already"""
+    ema_decay: float = 0.0
+    """evaluate an exponential moving average of the weights with this
+    decay per optimizer step (e.g. 0.998; saved in checkpoints as "ema");
+    0 = evaluate the weights as they are"""
+    ema_every_steps: int = 1
+    """update the average on every N-th optimizer step of an epoch
+    (torchvision's --model-ema-steps)"""
+    ema_adjust: bool = False
+    """scale 1 - ema_decay by the global batch x ema_every_steps /
+    train.epochs, as torchvision's reference adjusts --model-ema-decay"""
+    ema_warmup_reset: bool = False
+    """restart the average from the weights at each update of the warm-up
+    (torchvision's reference resets it in its warm-up epochs)"""
+    max_nonfinite_steps: int = 5
+    """consecutive optimizer steps with a non-finite loss or gradient (each
+    skipped on every rank) after which the run stops with exit code 3"""
+
+    def __post_init__(self) -> None:
+        self._require("epochs", self.epochs >= 1, "must be >= 1")
+        self._require("max_nonfinite_steps", self.max_nonfinite_steps >= 1, "must be >= 1")
+        self._require("max_steps", self.max_steps >= 0, "use 0 for no limit or a positive count")
+        self._require("grad_accum_steps", self.grad_accum_steps >= 1, "must be >= 1")
+        self._require("seed", self.seed >= 0, "must be >= 0")
+        self._require("ema_decay", 0 <= finite(self.ema_decay) < 1, "in [0, 1); 0 = off")
+        self._require("ema_every_steps", self.ema_every_steps >= 1, "must be >= 1")

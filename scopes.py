@@ -54,7 +54,8 @@ _SCOPES = (
         lambda c: c.model.source,
     ),
     _Scope(
-        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.decode"),
+        ("data.image_size", "data.crop_ratio", "data.crop_scale", "data.decode")
+        + ("data.eval_crop_size", "data.eval_resize_size"),
         "data.dataset=imagefolder",
         _dataset_is("imagefolder"),
         _data,
@@ -159,6 +160,18 @@ _SCOPES = (
         lambda c: "no metrics.factory",
     ),
     _Scope(("loss.name",), "a run without loss.factory", lambda c: not c.loss.factory, _loss),
+    _Scope(
+        ("aug.ra_magnitude",),
+        "aug.auto_augment=ra",
+        lambda c: c.aug.auto_augment == "ra",
+        lambda c: f"aug.auto_augment={c.aug.auto_augment}",
+    ),
+    _Scope(
+        ("aug.augmix_severity",),
+        "aug.auto_augment=augmix",
+        lambda c: c.aug.auto_augment == "augmix",
+        lambda c: f"aug.auto_augment={c.aug.auto_augment}",
+    ),
     _Scope(
         ("model.widths", "model.blocks_per_stage", "model.stem_stride", "model.dropout"),
         f"model.name={MINI_RESNET}",

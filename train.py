@@ -51,7 +51,7 @@ from inputs import failures
 from instruments import Instruments
 from metrics import MetricsWriter
 from modes import dispatch
-from objective import losses, targets
+from objective import losses
 from optim import ema, groups, schedules, spec
 from runpaths import RunPaths
 
@@ -114,12 +114,13 @@ class Trainer:
         """The train and evaluation loaders, the on-device preprocessing, the split sizes."""
         cfg, info = self.cfg, self.info
         self.train_loader = data.build_train_loader(
-            splits, cfg.data, info, cfg.train.seed, self.auto.loader, self.auto.decode
+            splits, cfg.data, info, cfg.train.seed, self.auto.loader, self.auto.decode, cfg.aug
         )
         self.eval_loader = data.build_eval_loader(
             splits, cfg.data, info, cfg.train.seed, self.auto.decode
         )
         self.preprocess = data.Preprocess(splits, info.device, self.auto.channels_last)
+        self.mix = data.BatchAugment(cfg.aug, cfg.train.seed, info.rank, splits.num_classes)
         self.stand_in = failures.StandIn(self.preprocess, cfg.data.batch_size, splits.input_shape)
         self.num_train = len(splits.train)  # type: ignore[arg-type]
         self.num_eval = len(splits.eval)  # type: ignore[arg-type]
@@ -137,9 +138,8 @@ class Trainer:
         self.steps_per_epoch = self.steps_left_in_epoch(consumed=0)
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"an epoch has {len(self.train_loader)} micro-batches per rank, fewer than "
-                f"train.grad_accum_steps={cfg.train.grad_accum_steps}: lower it or "
-                "data.batch_size"
+                f"an epoch has {len(self.train_loader)} micro-batches per rank, fewer than train."
+                f"grad_accum_steps={cfg.train.grad_accum_steps}: lower it or data.batch_size"
             )
         self.samples_per_step = global_batch_size(cfg, self.info.world_size)
 
@@ -418,8 +418,8 @@ class Trainer:
             self.model.train()
         images, labels, indices = next(self.batches)
         if labels.device.type == "cpu":  # skipped images (IGNORED) are not trained on
-            indices = indices[targets.counted(labels)]  # (only a DataLoader yields them)
-        return self.preprocess(images, labels), indices
+            images, labels, indices = self.mix.counted_only(images, labels, indices)
+        return self.mix(*self.preprocess(images, labels), self.position), indices
 
     def stop_for_a_bad_batch(self, error: Exception | None) -> None:
         """Collective, once the step's vote says a rank's batch failed to load: checkpoint the

@@ -431,11 +431,14 @@ class ImageFolder(Dataset):
         crop_scale: Sequence[float],
         skip_bad: bool,
         known: Sequence[str] | None = None,
+        eval_size: tuple[int, int] = (0, 0),
     ) -> None:
         self.root = root
         self.classes, self.samples = scan(root, known)
-        self.image_size = image_size
-        self.resize_size = int(image_size / crop_ratio)
+        self.image_size = image_size  # the training crop's side
+        # The evaluation's center crop and the shorter side resized to before it (data.eval_size)
+        self.eval_crop_size = eval_size[0] or image_size
+        self.resize_size = eval_size[1] or int(self.eval_crop_size / crop_ratio)
         self.crop_scale = tuple(crop_scale)
         self.skip_bad = skip_bad
 
@@ -455,16 +458,16 @@ class ImageFolder(Dataset):
             self._skip_or_raise(err)
             return None, SKIPPED
 
-    def _blank(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        return torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8, device=device)
+    def _blank(self, device: torch.device | str = "cpu", train: bool = True) -> torch.Tensor:
+        side = self.image_size if train else self.eval_crop_size
+        return torch.zeros(3, side, side, dtype=torch.uint8, device=device)
 
     def eval_view(self, image: torch.Tensor) -> torch.Tensor:
-        """The shorter side resized to image_size / crop_ratio, then the center
-        image_size x image_size crop."""
+        """The shorter side resized to resize_size, then the center eval_crop_size square."""
         from torchvision.transforms.v2 import functional as F
 
         image = F.resize(image, [self.resize_size], antialias=True)
-        return F.center_crop(image, [self.image_size, self.image_size])
+        return F.center_crop(image, [self.eval_crop_size, self.eval_crop_size])
 
     def train_view(self, image: torch.Tensor, key: int) -> torch.Tensor:
         """A random crop (`crop_box`) resized to image_size x image_size, then flipped
@@ -481,7 +484,7 @@ class ImageFolder(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         """Evaluation view (`eval_view`) of sample `index`."""
         image, label = self._read(index)
-        return (self._blank() if image is None else self.eval_view(image)), label
+        return (self._blank(train=False) if image is None else self.eval_view(image)), label
 
     def augmented_item(self, index: int, key: int) -> tuple[torch.Tensor, int]:
         """Training view (`train_view`) of sample `index`, its choices drawn from `key`."""
@@ -521,7 +524,7 @@ class ImageFolder(Dataset):
                     if labels[i] != SKIPPED:  # not already skipped when its bytes were read
                         self._skip_or_raise(image)
                         labels[i] = SKIPPED
-                    views.append(self._blank(device))
+                    views.append(self._blank(device, train=keys is not None))
                 elif keys is None:
                     views.append(self.eval_view(image))
                 else:

@@ -110,8 +110,12 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         epoch = self.sampler.epoch
-        indices = np.fromiter((index for _, index in self.sampler), dtype=np.int64)
-        hashes = mix64_many(self.seed, epoch, indices) if self.augment else None
+        keys = list(self.sampler)  # (epoch, index), or (epoch, index, copy): aug.repeated_augment
+        indices = np.fromiter((key[1] for key in keys), dtype=np.int64, count=len(keys))
+        copies = None
+        if self.sampler.repeats > 1:
+            copies = np.fromiter((key[2] for key in keys), dtype=np.int64, count=len(keys))
+        hashes = mix64_many(self.seed, epoch, indices, copies) if self.augment else None
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             batch = torch.from_numpy(indices[start : start + self.batch_size])
             on_device = batch.to(self.device, non_blocking=True)

@@ -220,11 +220,12 @@ def _imagefolder(cfg: DataConfig) -> DataSplits:
         if not (root / split).is_dir():
             raise _missing_split(root, split)
     options = (cfg.image_size, cfg.crop_ratio, cfg.crop_scale, cfg.bad_images == "skip")
-    train = imagefolder.ImageFolder(root / "train", *options)
+    train = imagefolder.ImageFolder(root / "train", *options, eval_size=cfg.eval_size)
     imagefolder.require_two_classes(train)  # before val: a val of one class is a mismatch
     # The training split's classes label the validation split: a class without validation
     # images still trains (named in a warning), one without training images is refused.
-    test = imagefolder.ImageFolder(root / "val", *options, known=train.classes)
+    known = train.classes
+    test = imagefolder.ImageFolder(root / "val", *options, known=known, eval_size=cfg.eval_size)
     mean, std = STATS["imagefolder"]
     shape = (3, cfg.image_size, cfg.image_size)
     return DataSplits(train, test, shape, len(train.classes), mean, std, tuple(train.classes))

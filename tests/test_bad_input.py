@@ -199,6 +199,14 @@ CASES = [
     Case("lr_inf", ("--optim.lr=inf",), "optim.lr", "inf"),
     Case("dataset_choice", ("--data.dataset=imagenet",), "data.dataset", "imagenet"),
     Case("amp_choice", ("--train.amp=fp8",), "train.amp", "fp8"),
+    Case("mixup_negative", ("--aug.mixup_alpha=-0.2",), "aug.mixup_alpha", "-0.2", exit_code=2),
+    Case(  # a policy runs per sample in the DataLoader's workers, not on the device loader
+        "policy_on_the_device_loader",
+        ("--aug.auto_augment=ra", "--data.loader=device"),
+        "aug.auto_augment",
+        "ra",
+        exit_code=2,
+    ),
     Case("widths_empty", ("--model.widths=",), patterns=(r"model\.widths\W{1,4}(\(\)|''|empty)",)),
     Case("widths_non_numeric", ("--model.widths=16,x",), "model.widths", "16,x"),
     Case(  # trained widths 4,8 before

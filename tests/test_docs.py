@@ -122,6 +122,7 @@ def test_the_docs_pages_are_the_topics_listed() -> None:
         "debugging.md",
         "testing.md",
         "design.md",
+        "recipes.md",
     }
     present = {p.name for p in (REPO / "docs").glob("*.md")}
     assert expected <= present, f"missing: {sorted(expected - present)}"
