@@ -427,3 +427,22 @@ def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path) -> None:
     # Step 16 is 13 steps after the warm-up: one halving (8 steps an epoch), the backbone
     # at a tenth of the head's rate.
     assert [g["lr"] for g in groups_saved] == pytest.approx([0.1, 0.1, 0.01, 0.01])
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--optim.param_groups_kwargs={}"], "is for runs with optim.param_groups only"),
+        (["--optim.step_epochs=2"], "is for optim.schedule=step only, and this run has "),
+        (["--optim.schedule=constant", "--optim.gamma=0.5"], "optim.schedule=constant"),
+        (["--optim.schedule=step", "--optim.min_lr_ratio=0.1"], "optim.schedule=cosine only"),
+        (["--optim.warmup_epochs=1", "--optim.warmup_steps=5"], "optim.warmup_epochs=1"),
+        (["--train.ema_every_steps=4"], "train.ema_decay > 0) only"),
+    ],
+)
+def test_a_setting_the_chosen_schedule_or_average_ignores_is_refused(argv, said) -> None:
+    from cli import parse_args
+
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    assert said in str(err.value)
