@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import final_state, launch, tiny_job_args
+from helpers import final_state, launch, run_ranks, tiny_job_args
 from torch import nn
 
 from config import ConfigError, OptimConfig
@@ -207,6 +207,31 @@ def test_a_frozen_groups_batchnorm_stays_in_eval_through_every_train_call() -> N
     for key, value in stem_bn.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert not torch.equal(stage_bn.running_mean, moved)  # a trained group's statistics move
+
+
+def _average_beside_a_held_batchnorm(info, values: torch.Tensor) -> tuple:
+    from distributed import average_buffers
+
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    groups.hold_in_eval(model[0])
+    with torch.no_grad():
+        model[0].running_mean.copy_(values)
+        model[1].running_mean.fill_(float(info.rank))
+    average_buffers(model)
+    return model[0].running_mean.clone(), model[1].running_mean.clone()
+
+
+@pytest.mark.spawn
+def test_averaging_statistics_over_3_ranks_leaves_a_held_batchnorms_alone(tmp_path) -> None:
+    """Before evaluating, BatchNorm statistics are averaged over ranks: sum, then / 3. For a
+    frozen layer's (the same on every rank) that is not the identity in floating point: values
+    x with (x + x + x) / 3 != x stay x, while a training layer's are still averaged."""
+    x = torch.rand(10000, generator=torch.Generator().manual_seed(0))
+    values = x[(x + x + x) / 3 != x][:4]
+    assert len(values) == 4
+    for held, trained in run_ranks(_average_beside_a_held_batchnorm, 3, tmp_path, values):
+        assert torch.equal(held, values)
+        assert torch.equal(trained, torch.full((4,), 1.0))  # (0 + 1 + 2) / 3
 
 
 @pytest.mark.slow
