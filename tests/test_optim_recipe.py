@@ -471,3 +471,24 @@ def test_a_setting_the_chosen_schedule_or_average_ignores_is_refused(argv, said)
     with pytest.raises(ConfigError) as err:
         parse_args(argv)
     assert said in str(err.value)
+
+
+def test_a_checkpoint_of_other_groups_is_refused_naming_the_setting() -> None:
+    """The optimizer of a run with optim.param_groups (4 groups) cannot take the state of
+    one without (2 groups): refused as not fitting, the setting named."""
+    from pathlib import Path
+
+    from test_train import manager_with, saved_state
+
+    from ckpt import parts
+    from ckpt.atomic import CheckpointError
+    from config import Config
+
+    cfg = Config()
+    before = spec.build_optimizer(mini(), cfg.optim, "foreach")
+    model = mini()
+    grouped = OptimConfig(param_groups=EXAMPLE, param_groups_kwargs='{"head": "head"}')
+    after = spec.build_optimizer(model, grouped, "foreach", groups.plan(model, grouped))
+    manager, _ = manager_with(cfg, optimizer=parts.OptimizerState(after))
+    with pytest.raises(CheckpointError, match="optim.param_groups change"):
+        manager.restore(Path("c.pt"), saved_state(cfg, optimizer=before.state_dict()))
