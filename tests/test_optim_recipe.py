@@ -423,7 +423,8 @@ def test_the_decay_adjustment_is_torchvisions_by_hand() -> None:
 
 
 @pytest.mark.slow
-def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "zero"])
+def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path, strategy) -> None:
     """Stopped by SIGTERM after step 5 (mid-epoch, between two EMA updates) and resumed:
     weights, optimizer state (param groups at two rates, a frozen stem) and the average
     torch.equal to a run never stopped. The average updated on steps 3, 6, 8, 11, 14 (every
@@ -442,6 +443,7 @@ def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path) -> None:
         train_ema_every_steps=3,
         train_ema_warmup_reset=True,
         train_epochs=2,
+        dist_strategy=strategy,
         dist_timeout_s=60,
     )
     reference = assert_resumes_exactly(tmp_path, args, stop_after=5)
