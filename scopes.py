@@ -173,6 +173,43 @@ _SCOPES = (
         lambda c: f"aug.auto_augment={c.aug.auto_augment}",
     ),
     _Scope(
+        ("optim.param_groups_kwargs",),
+        "runs with optim.param_groups",
+        lambda c: bool(c.optim.param_groups),
+        lambda c: "no optim.param_groups",
+    ),
+    _Scope(
+        ("optim.min_lr_ratio",),
+        "optim.schedule=cosine",
+        lambda c: c.optim.schedule == "cosine",
+        lambda c: f"optim.schedule={c.optim.schedule}",
+    ),
+    _Scope(
+        ("optim.step_epochs",),
+        "optim.schedule=step",
+        lambda c: c.optim.schedule == "step",
+        lambda c: f"optim.schedule={c.optim.schedule}",
+    ),
+    _Scope(
+        ("optim.gamma",),
+        "optim.schedule=step and exponential",
+        lambda c: c.optim.schedule in ("step", "exponential"),
+        lambda c: f"optim.schedule={c.optim.schedule}",
+    ),
+    _Scope(
+        ("optim.warmup_steps",),
+        "runs without optim.warmup_epochs (which sets the warm-up in epochs)",
+        lambda c: c.optim.warmup_epochs == 0,
+        lambda c: f"optim.warmup_epochs={c.optim.warmup_epochs}",
+        "optim.warmup_epochs",
+    ),
+    _Scope(
+        ("train.ema_every_steps", "train.ema_adjust", "train.ema_warmup_reset"),
+        "runs with a weight average (train.ema_decay > 0)",
+        lambda c: c.train.ema_decay > 0,
+        lambda c: f"train.ema_decay={c.train.ema_decay}",
+    ),
+    _Scope(
         ("model.widths", "model.blocks_per_stage", "model.stem_stride", "model.dropout"),
         f"model.name={MINI_RESNET}",
         lambda c: c.model.source == f"model.name={MINI_RESNET}",

@@ -347,9 +347,10 @@ class CheckpointManager:
                 if (instead := atomic.not_about_content(err, f"checkpoint {path}")) is not None:
                     raise instead from err
                 raise CheckpointError(
-                    f"checkpoint {path} does not fit this run's {name} (did model.* or "
-                    "optim.name change? Resume with the settings it was trained with, or use a "
-                    f"new run.dir: model.weights can start it from this checkpoint): {err}"
+                    f"checkpoint {path} does not fit this run's {name} (did model.*, "
+                    "optim.name or optim.param_groups change? Resume with the settings it was "
+                    "trained with, or use a new run.dir: model.weights can start it from this "
+                    f"checkpoint): {err}"
                 ) from err
         meta = {key: state[key] for key in _META_KEYS if key in state}
         return Resumed(path, meta)

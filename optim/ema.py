@@ -17,6 +17,7 @@ from torch import nn
 
 import distributed
 import sharding
+from ckpt.parts import Position
 from config import Config
 from optim import schedules
 
@@ -28,7 +29,7 @@ class WeightAverage:
     the checkpoint part "ema"): smoother than the last step's weights, so evaluation does not
     swing with the noise of the final steps.
 
-    After each applied optimizer step, ema = decay x ema + (1 - decay) x weights, with the decay
+    At each update (`after_step`), ema = decay x ema + (1 - decay) x weights, with the decay
     ramped up as min(decay, (1 + n) / (10 + n)) over the first n updates so the average is not
     dominated by the random initial weights. Buffers (BatchNorm statistics) are not averaged:
     they are taken from the model as they are when evaluating. Every rank holds the same
@@ -62,8 +63,8 @@ class WeightAverage:
         torch._foreach_copy_(self._averages, self._params)
         self.updates = 0
 
-    def after_step(self, position: Any) -> None:
-        """After an applied optimizer step, `position` (ckpt.parts.Position) still before it:
+    def after_step(self, position: Position) -> None:
+        """After an applied optimizer step, `position` still where it was before the step:
         update on the epoch's steps 0, N, 2N, ... (the reference's `i % model_ema_steps == 0`),
         and inside the warm-up restart from the weights instead (it resets its count there,
         so that its next update copies the weights). Derived from the position alone, so a

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import final_state, launch, tiny_job_args
+from helpers import final_state, launch, run_ranks, tiny_job_args
 from torch import nn
 
 from config import ConfigError, OptimConfig
@@ -209,6 +209,31 @@ def test_a_frozen_groups_batchnorm_stays_in_eval_through_every_train_call() -> N
     assert not torch.equal(stage_bn.running_mean, moved)  # a trained group's statistics move
 
 
+def _average_beside_a_held_batchnorm(info, values: torch.Tensor) -> tuple:
+    from distributed import average_buffers
+
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    groups.hold_in_eval(model[0])
+    with torch.no_grad():
+        model[0].running_mean.copy_(values)
+        model[1].running_mean.fill_(float(info.rank))
+    average_buffers(model)
+    return model[0].running_mean.clone(), model[1].running_mean.clone()
+
+
+@pytest.mark.spawn
+def test_averaging_statistics_over_3_ranks_leaves_a_held_batchnorms_alone(tmp_path) -> None:
+    """Before evaluating, BatchNorm statistics are averaged over ranks: sum, then / 3. For a
+    frozen layer's (the same on every rank) that is not the identity in floating point: values
+    x with (x + x + x) / 3 != x stay x, while a training layer's are still averaged."""
+    x = torch.rand(10000, generator=torch.Generator().manual_seed(0))
+    values = x[(x + x + x) / 3 != x][:4]
+    assert len(values) == 4
+    for held, trained in run_ranks(_average_beside_a_held_batchnorm, 3, tmp_path, values):
+        assert torch.equal(held, values)
+        assert torch.equal(trained, torch.full((4,), 1.0))  # (0 + 1 + 2) / 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero", "fsdp"])
 def test_frozen_weights_and_batchnorm_statistics_stay_bit_for_bit_under_torchrun(
@@ -398,7 +423,8 @@ def test_the_decay_adjustment_is_torchvisions_by_hand() -> None:
 
 
 @pytest.mark.slow
-def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "zero"])
+def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path, strategy) -> None:
     """Stopped by SIGTERM after step 5 (mid-epoch, between two EMA updates) and resumed:
     weights, optimizer state (param groups at two rates, a frozen stem) and the average
     torch.equal to a run never stopped. The average updated on steps 3, 6, 8, 11, 14 (every
@@ -417,6 +443,7 @@ def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path) -> None:
         train_ema_every_steps=3,
         train_ema_warmup_reset=True,
         train_epochs=2,
+        dist_strategy=strategy,
         dist_timeout_s=60,
     )
     reference = assert_resumes_exactly(tmp_path, args, stop_after=5)
@@ -427,3 +454,43 @@ def test_groups_step_schedule_and_ema_every_n_resume_exactly(tmp_path) -> None:
     # Step 16 is 13 steps after the warm-up: one halving (8 steps an epoch), the backbone
     # at a tenth of the head's rate.
     assert [g["lr"] for g in groups_saved] == pytest.approx([0.1, 0.1, 0.01, 0.01])
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--optim.param_groups_kwargs={}"], "is for runs with optim.param_groups only"),
+        (["--optim.step_epochs=2"], "is for optim.schedule=step only, and this run has "),
+        (["--optim.schedule=constant", "--optim.gamma=0.5"], "optim.schedule=constant"),
+        (["--optim.schedule=step", "--optim.min_lr_ratio=0.1"], "optim.schedule=cosine only"),
+        (["--optim.warmup_epochs=1", "--optim.warmup_steps=5"], "optim.warmup_epochs=1"),
+        (["--train.ema_every_steps=4"], "train.ema_decay > 0) only"),
+    ],
+)
+def test_a_setting_the_chosen_schedule_or_average_ignores_is_refused(argv, said) -> None:
+    from cli import parse_args
+
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    assert said in str(err.value)
+
+
+def test_a_checkpoint_of_other_groups_is_refused_naming_the_setting() -> None:
+    """The optimizer of a run with optim.param_groups (4 groups) cannot take the state of
+    one without (2 groups): refused as not fitting, the setting named."""
+    from pathlib import Path
+
+    from test_train import manager_with, saved_state
+
+    from ckpt import parts
+    from ckpt.atomic import CheckpointError
+    from config import Config
+
+    cfg = Config()
+    before = spec.build_optimizer(mini(), cfg.optim, "foreach")
+    model = mini()
+    grouped = OptimConfig(param_groups=EXAMPLE, param_groups_kwargs='{"head": "head"}')
+    after = spec.build_optimizer(model, grouped, "foreach", groups.plan(model, grouped))
+    manager, _ = manager_with(cfg, optimizer=parts.OptimizerState(after))
+    with pytest.raises(CheckpointError, match="optim.param_groups change"):
+        manager.restore(Path("c.pt"), saved_state(cfg, optimizer=before.state_dict()))
