@@ -302,7 +302,11 @@ def test_the_resnet50_recipe_file_states_torchvisions_published_recipe() -> None
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == ("sgd", 0.5, 2e-5)
     assert (cfg.optim.momentum, cfg.optim.nesterov, cfg.optim.grad_clip) == (0.9, False, 0.0)
     assert cfg.optim.label_smoothing == 0.1 and cfg.optim.min_lr_ratio == 0.0
-    assert cfg.optim.warmup_steps == 5 * (1_281_167 // 1024)
+    assert (cfg.optim.norm_weight_decay, cfg.optim.bias_weight_decay) == (0.0, 2e-5)
+    assert (cfg.optim.schedule, cfg.optim.warmup) == ("cosine", "linear")
+    assert (cfg.optim.warmup_epochs, cfg.optim.warmup_factor) == (5, 0.01)
+    assert (cfg.train.ema_decay, cfg.train.ema_every_steps) == (0.99998, 32)
+    assert cfg.train.ema_adjust and cfg.train.ema_warmup_reset
     assert cfg.model.name == "resnet50" and cfg.train.epochs == 600
 
 
