@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2  # 1: before named parts (step, epoch, samples_in_epoch, step_in_epoch at the top)
 # Settings whose change alters the math of the resumed run; reported when they differ.
-MATH_SECTIONS = ("data", "model", "optim", "train")
+MATH_SECTIONS = ("data", "model", "optim", "loss", "train")
 NON_MATH_KEYS = {
     "data.root",
     "data.download",

@@ -41,20 +41,22 @@ def focal_loss(
     weight and label_smoothing, mean included: over the weights of the counted targets for
     indices, over the rows for float targets (torch's rule for probability targets)."""
     num_classes = logits.shape[1]
-    keep = targets.counted(target)
-    logp = F.log_softmax(logits.float()[keep], dim=1)
+    keep = targets.counted(target).float()  # as a factor: masking would sync with the device
+    logp = F.log_softmax(logits.float(), dim=1)
     q = targets.one_hot(target, num_classes)
     if smoothing:
-        q = q * (1 - smoothing) + smoothing / num_classes
+        q = (q * (1 - smoothing) + smoothing / num_classes) * keep[:, None]
     w = torch.ones(num_classes, device=logits.device) if weight is None else weight
     # (1 - p)^gamma; clamped above 0 so that a gamma below 1 has a finite gradient at p = 1
     modulation = (-torch.expm1(logp)).clamp_min(1e-12) ** gamma
     per_sample = -(w * q * modulation * logp).sum(dim=1)
     if reduction == "sum":
         return per_sample.sum()
-    if weight is None or targets.soft(target):
+    if targets.soft(target):
         return per_sample.sum() / len(per_sample)
-    return per_sample.sum() / weight[target[keep]].sum()
+    if weight is None:
+        return per_sample.sum() / keep.sum()
+    return per_sample.sum() / (weight[target.clamp_min(0)] * keep).sum()
 
 
 def bce_loss(
@@ -65,9 +67,11 @@ def bce_loss(
 ) -> torch.Tensor:
     """One sigmoid per class against multi-hot (or one-hot, from indices) rows: torch's
     BCEWithLogitsLoss(weight=class_weights), its mean over counted rows x classes."""
-    rows = logits.float()[targets.counted(target)]
+    keep = targets.counted(target).float()[:, None]  # IGNORED rows: a factor 0, not masked
     q = targets.one_hot(target, logits.shape[1])
-    return F.binary_cross_entropy_with_logits(rows, q, weight=weight, reduction=reduction)
+    terms = F.binary_cross_entropy_with_logits(logits.float(), q, weight=weight, reduction="none")
+    total = (terms * keep).sum()
+    return total if reduction == "sum" else total / (keep.sum() * logits.shape[1])
 
 
 def cross_entropy_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 from config import ConfigError, load_factory
 from recipe import MetricsConfig
 
-# Row fields the pipeline writes itself (train and eval rows); saturation's end in _min,
-# _median, _max.
+# Row fields the pipeline writes itself (train and eval rows, eval_report.json); saturation's
+# end in _min, _median, _max.
 BUILT_IN = frozenset(
     [
         "kind",
@@ -47,6 +47,9 @@ BUILT_IN = frozenset(
         "epoch_samples_seen",
         "epoch_sample_digest",
         "sample_digest_per_rank",
+        "top1",
+        "per_class",
+        "confusion",
     ]
 )
 NAME = re.compile(r"[A-Za-z_]\w*")

@@ -49,8 +49,9 @@ def hits(predicted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def one_hot(targets: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Float [n, C] rows of the counted samples: index targets one-hot, float ones as they are."""
+    """Float [N, C]: index targets one-hot (IGNORED rows all zero), float rows as they are.
+    No boolean indexing: its nonzero() would wait for the device at every step."""
     if soft(targets):
         return targets.float()
-    kept = targets[targets != IGNORED]
-    return torch.nn.functional.one_hot(kept, num_classes).float()
+    rows = torch.nn.functional.one_hot(targets.clamp_min(0), num_classes).float()
+    return rows * counted(targets)[:, None]

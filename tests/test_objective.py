@@ -362,3 +362,26 @@ def test_objective_settings_a_run_would_ignore_or_cannot_use_are_refused(argv, s
     with pytest.raises(ConfigError) as refused:
         parse_args(argv)
     assert says in str(refused.value)
+
+
+def test_resuming_with_another_loss_is_reported_as_a_change_of_the_math(caplog) -> None:
+    from test_train import resume, saved_state
+
+    from cli import parse_args
+
+    old, new = parse_args([]), parse_args(["--loss.name=focal", "--loss.gamma=1"])
+    with caplog.at_level("WARNING"):
+        resume(new, saved_state(old))
+    assert "loss.name 'cross_entropy' -> 'focal'" in caplog.text
+    assert "loss.gamma 2.0 -> 1.0" in caplog.text
+
+
+def test_a_metric_named_as_a_built_in_field_is_refused() -> None:
+    from objective import metrics
+
+    with pytest.raises(ConfigError, match=r"metric name 'top5' is taken by a built-in field"):
+        metrics.load(MetricsConfig(factory="test_objective:clashing"), 3, torch.tensor([0, 1]))
+
+
+def clashing(*, num_classes: int):
+    return lambda logits, target: {"top5": (torch.tensor(1.0), torch.tensor(2.0))}
