@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Spread
+from runpaths import RunPaths
 
 REPO = Path(__file__).resolve().parent.parent
 FASHION = "/usr/share/datasets/fashion-mnist"
@@ -96,7 +97,8 @@ def run_variant(
     started = time.perf_counter()
     subprocess.run(command, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = RunPaths(run_dir).metrics.read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     evals = [row for row in rows if row["kind"] == "eval"]
     rates = sorted(row["samples_per_s"] for row in rows if row["kind"] == "train")
     return {
