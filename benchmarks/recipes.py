@@ -30,13 +30,13 @@ from runpaths import RunPaths
 REPO = Path(__file__).resolve().parent.parent
 FASHION = "/usr/share/datasets/fashion-mnist"
 
-# Shared by every variant: MiniResNet on the 28 px folder, 2 loader workers per rank.
+# Shared by every variant: MiniResNet on the 28 px folder, one loader worker per rank.
 COMMON = (
     "--data.dataset=imagefolder",
     "--data.image_size=28",
     "--data.crop_ratio=1.0",
     "--data.batch_size=64",
-    "--data.num_workers=2",
+    "--data.num_workers=1",
     "--model.widths=32,64,128",
     "--model.stem_stride=2",
     "--train.amp=none",
@@ -45,13 +45,22 @@ COMMON = (
 )
 VARIANTS: dict[str, tuple[str, ...]] = {
     "plain": (),  # RandomResizedCrop and flip, cross-entropy with label smoothing 0.1, cosine
-    "reference": (  # torchvision's reference recipe features, scaled to this small job
+    "reference": (  # torchvision's reference recipe features (configs/imagenet_resnet50.toml)
         "--aug.auto_augment=ta_wide",
         "--aug.random_erase=0.1",
         "--aug.mixup_alpha=0.2",
         "--aug.cutmix_alpha=1.0",
-        "--optim.norm_weight_decay=0.0",
+        "--optim.warmup_factor=0.01",
         "--train.ema_decay=0.998",
+    ),
+    "reference_ra": (  # the same with the repeated-augmentation sampler, 2 copies
+        "--aug.auto_augment=ta_wide",
+        "--aug.random_erase=0.1",
+        "--aug.mixup_alpha=0.2",
+        "--aug.cutmix_alpha=1.0",
+        "--optim.warmup_factor=0.01",
+        "--train.ema_decay=0.998",
+        "--aug.repeated_augment=2",
     ),
 }
 
