@@ -165,15 +165,16 @@ def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits)
     its forward that reads values), or that keeps a tensor as a plain attribute (neither a
     parameter nor a buffer: nothing would give it values), is built in host memory instead:
     only the memory saving is lost."""
+    crop = (
+        cfg.data.eval_size[0] if cfg.data.dataset == "imagefolder" and not cfg.data.factory else 0
+    )
+    eval_shape = (splits.input_shape[0], crop, crop) if crop else ()
+    options = (splits.input_shape, splits.num_classes, cfg.dist.find_unused_parameters, eval_shape)
     if device is None:
-        return models.build(
-            cfg.model, splits.input_shape, splits.num_classes, cfg.dist.find_unused_parameters
-        )
+        return models.build(cfg.model, *options)
     try:
         with device:
-            model = models.build(
-                cfg.model, splits.input_shape, splits.num_classes, cfg.dist.find_unused_parameters
-            )
+            model = models.build(cfg.model, *options)
         plain = [
             f"{prefix}.{key}" if prefix else key
             for prefix, module in model.named_modules()
@@ -186,9 +187,7 @@ def _build_on(device: torch.device | None, cfg: Config, splits: data.DataSplits)
     except Exception as err:  # any failure: the host build says what is wrong, if anything
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
     log.warning("the model is built in host memory, not on the %s device (%s)", device, why)
-    return models.build(
-        cfg.model, splits.input_shape, splits.num_classes, cfg.dist.find_unused_parameters
-    )
+    return models.build(cfg.model, *options)
 
 
 def count_flops(

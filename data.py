@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import distributed
-from config import AugConfig, ConfigError, DataConfig
+from config import IGNORED, AugConfig, ConfigError, DataConfig
 from distributed import DistInfo
 from inputs import imagefolder
 from inputs.augment import Augmented, policy
@@ -196,6 +196,7 @@ def build_train_loader(
     if loader == "device":
         base = in_memory(splits.train)
         assert base is not None, "auto.loader chose the device path for a dataset read from files"
+        _check_mixable(base, aug, cfg.source)
         return DeviceLoader(base, sampler, cfg, seed, info.device)
     options = {"batch_size": cfg.batch_size, "sampler": sampler, "drop_last": True}
     options |= loader_options(cfg, info, seed)
@@ -205,6 +206,19 @@ def build_train_loader(
         encoded = StopSafeLoader(files, collate_fn=collate_encoded, **options)
         return DecodingLoader(encoded, seed, cfg.augment, info.device, train=True)
     return StopSafeLoader(dataset, **options)
+
+
+def _check_mixable(base: ImageTensors, aug: AugConfig, source: str) -> None:
+    """Mixing on the device loader's batches needs every sample labelled: a DataLoader's batch
+    leaves IGNORED samples out on the CPU before mixing (BatchAugment.counted_only), while the
+    device path would need a sync with the device at every step to do the same."""
+    ignored = int((base.labels == IGNORED).sum()) if aug.mixing else 0
+    if ignored:
+        raise ConfigError(
+            f"{source} labels {ignored} training samples {IGNORED} (left out), and "
+            "aug.mixup_alpha / aug.cutmix_alpha mix every sample of the device loader's "
+            "batches: use --data.loader=dataloader, which leaves them out before mixing"
+        )
 
 
 def _check_policy_input(splits: DataSplits, key: str, source: str) -> None:

@@ -157,12 +157,17 @@ def check(cfg: ModelConfig) -> None:
 
 
 def build(
-    cfg: ModelConfig, input_shape: Sequence[int], num_classes: int, unused_ok: bool = False
+    cfg: ModelConfig,
+    input_shape: Sequence[int],
+    num_classes: int,
+    unused_ok: bool = False,
+    eval_shape: Sequence[int] = (),
 ) -> nn.Module:
     """The untrained model for inputs of `input_shape` (C, H, W) and `num_classes` classes, on
     the CPU, checked with one forward pass (a model that cannot take such inputs is bad input,
-    said before any training). `unused_ok`: dist.find_unused_parameters, under which a
-    parameter without a gradient is allowed."""
+    said before any training), and one of `eval_shape` where evaluation crops to another size.
+    `unused_ok`: dist.find_unused_parameters, under which a parameter without a gradient is
+    allowed."""
     check(cfg)
     kwargs: dict[str, Any] = json.loads(cfg.kwargs)
     in_channels = input_shape[0]
@@ -194,6 +199,8 @@ def build(
         model = _torchvision(cfg.name, in_channels, num_classes, kwargs)
         what = f"model.name={cfg.name}"
     _check_forward(model, what, input_shape, num_classes)
+    if eval_shape and tuple(eval_shape) != tuple(input_shape):
+        _check_forward(model, what, eval_shape, num_classes, "data.eval_crop_size")
     _check_training(model, what, input_shape, num_classes, unused_ok)
     return model
 
@@ -291,7 +298,11 @@ def fit_stem_weight(weight: torch.Tensor, in_channels: int) -> torch.Tensor:
 
 
 def _check_forward(
-    model: nn.Module, what: str, input_shape: Sequence[int], num_classes: int
+    model: nn.Module,
+    what: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    size_key: str = "data.image_size",
 ) -> None:
     """One sample through the model in eval mode (no statistic updated, no random number
     drawn): logits of shape (1, num_classes), or bad input naming the model and the shape."""
@@ -304,7 +315,7 @@ def _check_forward(
     except Exception as err:  # a model's own check (an assert) or a shape mismatch inside it
         raise ConfigError(
             f"{what} cannot take {shape} inputs ({type(err).__name__}: {err}); too small an "
-            "image for it? Choose another model, or larger images (data.image_size for "
+            f"image for it? Choose another model, or larger images ({size_key} for "
             "imagefolder)"
         ) from None
     finally:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2  # 1: before named parts (step, epoch, samples_in_epoch, step_in_epoch at the top)
 # Settings whose change alters the math of the resumed run; reported when they differ.
-MATH_SECTIONS = ("data", "model", "optim", "loss", "train")
+MATH_SECTIONS = ("data", "aug", "model", "optim", "loss", "train")
 NON_MATH_KEYS = {
     "data.root",
     "data.download",
@@ -347,8 +347,9 @@ class CheckpointManager:
                 if (instead := atomic.not_about_content(err, f"checkpoint {path}")) is not None:
                     raise instead from err
                 raise CheckpointError(
-                    f"checkpoint {path} does not fit this run's {name} (did model.*, "
-                    "optim.name or optim.param_groups change? Resume with the settings it was "
+                    f"checkpoint {path} does not fit this run's {name} (did model.*, optim.name, "
+                    "optim.param_groups or optim.norm_weight_decay / bias_weight_decay between 0 "
+                    "and not change? Resume with the settings it was "
                     "trained with, or use a new run.dir: model.weights can start it from this "
                     f"checkpoint): {err}"
                 ) from err

@@ -19,11 +19,14 @@ IGNORED = -100
 
 
 def _rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, float target rows) of the counted samples."""
+    """(float target rows [N, C], weight per row): weight 0 for a sample no loss counts. Left
+    out by arithmetic, not by boolean indexing (logits[kept]), which waits for the device at
+    every step."""
     if targets.is_floating_point():
-        return logits, targets
-    kept = targets != IGNORED
-    return logits[kept], F.one_hot(targets[kept], logits.shape[1]).float()
+        return targets.float(), torch.ones(len(targets), device=targets.device)
+    kept = (targets != IGNORED).float()
+    rows = F.one_hot(targets.clamp(min=0), logits.shape[1]).float() * kept[:, None]
+    return rows, kept
 
 
 def poly1(*, num_classes: int, epsilon: float = 1.0) -> nn.Module:
@@ -31,11 +34,11 @@ def poly1(*, num_classes: int, epsilon: float = 1.0) -> nn.Module:
 
     class Poly1(nn.Module):
         def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            logits, q = _rows(logits.float(), targets)
-            logp = F.log_softmax(logits, dim=1)
+            q, weight = _rows(logits, targets)
+            logp = F.log_softmax(logits.float(), dim=1)
             ce = -(q * logp).sum(dim=1)
             pt = (q * logp.exp()).sum(dim=1)
-            return (ce + epsilon * (1 - pt)).mean()
+            return ((ce + epsilon * (1 - pt)) * weight).sum() / weight.sum().clamp(min=1)
 
     return Poly1()
 
@@ -45,11 +48,12 @@ def f1_counts(*, num_classes: int, threshold: float = 0.0):
     argmax for class-index targets, every logit above `threshold` for multi-hot ones."""
 
     def metric(logits: torch.Tensor, targets: torch.Tensor) -> dict:
-        logits, truth = _rows(logits, targets)
+        truth, weight = _rows(logits, targets)
         if targets.is_floating_point():
             predicted = (logits > threshold).float()
         else:
             predicted = F.one_hot(logits.argmax(dim=1), num_classes).float()
+        predicted = predicted * weight[:, None]  # an uncounted sample predicts nothing
         tp = (predicted * truth).sum()
         wrong = (predicted != truth).float().sum()  # FP + FN
         return {"f1": (2 * tp, 2 * tp + wrong)}

@@ -753,3 +753,20 @@ def test_a_sample_of_another_size_is_named_by_index(monkeypatch) -> None:
     data.set_epoch(loader, 0)
     with pytest.raises(ConfigError, match=r"train\[5\]'s image is \(1, 9, 8\), not a tensor of"):
         list(loader)
+
+
+def test_mixing_ignored_samples_on_the_device_loader_is_refused_naming_the_fix() -> None:
+    """A data.factory may label samples IGNORED (-100). A DataLoader's batch leaves them out on
+    the CPU before mixing; the device loader's batch would mix them in (the review's finding:
+    a zero target row smoothed to 1/C, trained on and counted), so that path is refused."""
+    from config import IGNORED, AugConfig
+
+    dataset = data.make_synthetic(64, (1, 8, 8), 4, seed=0)
+    dataset.labels[5] = IGNORED
+    splits = data.DataSplits(dataset, dataset, (1, 8, 8), 4, (0.5,), (0.25,))
+    cfg = DataConfig(dataset="synthetic", batch_size=8, num_workers=0)
+    mixing = AugConfig(mixup_alpha=0.2)
+    with pytest.raises(ConfigError, match="labels 1 training samples -100.*data.loader=dataloader"):
+        data.build_train_loader(splits, cfg, info(), 0, "device", aug=mixing)
+    data.build_train_loader(splits, cfg, info(), 0, "dataloader", aug=mixing)
+    data.build_train_loader(splits, cfg, info(), 0, "device", aug=AugConfig())

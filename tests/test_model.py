@@ -428,3 +428,25 @@ def test_a_safetensors_file_is_read_without_the_safetensors_package(tmp_path) ->
 
     read = weightfiles.read_safetensors(tmp_path / "odd.safetensors")
     assert torch.equal(read["x"], odd["x"]) and read["e"].shape == (0,)
+
+
+def test_a_model_that_cannot_take_the_evaluation_crop_is_refused_before_training(
+    tmp_path, monkeypatch
+) -> None:
+    """data.eval_crop_size other than data.image_size: a fixed-input model trained at one size
+    would fail at the first evaluation, after an epoch (the review's finding); the start-up
+    check runs the evaluation's shape too and names its key."""
+    name = write_module(
+        tmp_path,
+        monkeypatch,
+        """
+        from torch import nn
+
+        def fixed(*, in_channels, num_classes):
+            return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 64, num_classes))
+        """,
+    )
+    cfg = ModelConfig(factory=f"{name}:fixed")
+    models.build(cfg, (2, 8, 8), 3, eval_shape=(2, 8, 8))
+    with pytest.raises(ConfigError, match=r"cannot take 2x10x10 inputs .*data.eval_crop_size"):
+        models.build(cfg, (2, 8, 8), 3, eval_shape=(2, 10, 10))

@@ -503,3 +503,14 @@ def test_train_deterministic_turns_on_deterministic_kernels(monkeypatch) -> None
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.deterministic = before[1]
+
+
+def test_resuming_with_other_augmentation_is_reported_as_a_change_of_the_math(caplog) -> None:
+    """aug.* changes what is trained on (the review found it missing from MATH_SECTIONS: a
+    resume with another mixup alpha said nothing)."""
+    from cli import parse_args
+
+    old, new = parse_args([]), parse_args(["--aug.mixup_alpha=0.2"])
+    with caplog.at_level("WARNING"):
+        resume(new, saved_state(old))
+    assert "aug.mixup_alpha 0.0 -> 0.2" in caplog.text
