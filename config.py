@@ -239,6 +239,11 @@ class DataConfig(Section):
         self._require("eval_crop_size", self.eval_crop_size in (0, *range(8, 1 << 16)), ">= 8")
         resize_ok = self.eval_resize_size == 0 or self.eval_resize_size >= self.eval_size[0]
         self._require("eval_resize_size", resize_ok, "0, or >= the eval crop size")
+        ratio_used = not self.eval_resize_size or self.crop_ratio == DataConfig.crop_ratio
+        self._require("crop_ratio", ratio_used, "data.eval_resize_size sets the resize alone")
+        same_view = self.augment or self.eval_crop_size in (0, self.image_size)
+        fix = "with data.augment=false an image folder trains on the evaluation view: leave it 0"
+        self._require("eval_crop_size", same_view, fix)
         scale = self.crop_scale
         scale_ok = len(scale) == 2 and 0 < finite(scale[0]) <= finite(scale[1]) <= 1
         self._require("crop_scale", scale_ok, "give MIN,MAX with 0 < MIN <= MAX <= 1")

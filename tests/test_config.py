@@ -133,6 +133,18 @@ def test_unknown_key_in_toml_is_named_with_the_nearest_key(
         (["--optim.lr=-1"], "optim.lr", "-1.0"),
         (["--optim.lr=nan"], "optim.lr", "nan"),
         (["--data.batch_size=0"], "data.batch_size", "0"),
+        # Ignored or misleading together (the review): the resize given overrides crop_ratio,
+        # and unaugmented training would take the evaluation's crop, not data.image_size.
+        (
+            ["--data.dataset=imagefolder", "--data.eval_resize_size=300", "--data.crop_ratio=0.9"],
+            "data.crop_ratio",
+            "0.9",
+        ),
+        (
+            ["--data.dataset=imagefolder", "--data.eval_crop_size=200", "--data.augment=false"],
+            "data.eval_crop_size",
+            "200",
+        ),
         (["--data.subset=-5"], "data.subset", "-5"),
         (["--train.grad_accum_steps=0"], "train.grad_accum_steps", "0"),
         (["--train.epochs=2.5"], "train.epochs", "2.5"),
