@@ -128,11 +128,15 @@ def build(
 ) -> Objective:
     """The run's objective, checked before training: class weights against the dataset's
     classes; loss.factory and metrics.factory by a call on a batch of real targets (those of
-    the first samples of `eval_set`, read only then; or the targets given as a tensor)."""
+    the first samples of `eval_set`, read only then, or the targets given as a tensor) as
+    training passes them: one-hot float rows when batches are mixed (inputs/mixing.py)."""
     section, smoothing = cfg.loss, cfg.optim.label_smoothing
     sample = torch.zeros(0, dtype=torch.long)
     if section.factory or cfg.metrics.factory:
         sample = eval_set if isinstance(eval_set, torch.Tensor) else sample_targets(eval_set)
+    trained = sample
+    if cfg.aug.mixing:  # step 1's targets: the rows mixed, every IGNORED sample left out
+        trained = targets.one_hot(sample[targets.counted(sample)], num_classes)
     weights = section.class_weights
     if weights and len(weights) != num_classes:
         raise ConfigError(
@@ -140,9 +144,9 @@ def build(
             f"{len(weights)} weights, and the data has {num_classes} classes: give one per class"
         )
     w = torch.tensor(weights, dtype=torch.float32, device=device) if weights else None
-    metric = metrics.load(cfg.metrics, num_classes, sample.to(device))
+    metric = metrics.load(cfg.metrics, num_classes, sample.to(device), trained.to(device))
     if section.factory:
-        loss = _factory(section.factory, section.kwargs, num_classes, sample.to(device))
+        loss = _factory(section.factory, section.kwargs, num_classes, trained.to(device))
         return Objective(loss, aux_weight=section.aux_weight, metric=metric)
     chosen: dict[str, tuple[LossFn, LossFn]] = {
         "cross_entropy": (

@@ -15,7 +15,7 @@ from torch import nn
 import engine
 import exitcodes
 import model as models
-from config import IGNORED, Config, LossConfig, MetricsConfig, ModelConfig
+from config import IGNORED, AugConfig, Config, LossConfig, MetricsConfig, ModelConfig
 from objective import losses, targets
 from schema import ConfigError
 
@@ -385,3 +385,47 @@ def test_a_metric_named_as_a_built_in_field_is_refused() -> None:
 
 def clashing(*, num_classes: int):
     return lambda logits, target: {"top5": (torch.tensor(1.0), torch.tensor(2.0))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Factories checked at start-up on the targets training passes them
+
+INDEX_ONLY = """
+import torch
+import torch.nn.functional as F
+
+def nll(*, num_classes):
+    return lambda logits, target: F.nll_loss(F.log_softmax(logits, dim=1), target)
+
+def class_counts(*, num_classes):
+    return lambda logits, target: {"seen": (torch.bincount(target.clamp_min(0)).sum(), len(target))}
+"""
+
+
+def test_factories_for_index_targets_are_refused_when_batches_are_mixed(tmp_path, monkeypatch):
+    """Before: loss.factory and metrics.factory were checked on the eval split's index targets
+    only, so a loss that takes indices only (F.nll_loss) passed the check and raised at step 1,
+    where mixing passes float rows [N, C]. Now, with mixing on, they are called on one-hot float
+    rows of the sampled labels too (the metric also on the indices evaluation passes)."""
+    (tmp_path / "index_only.py").write_text(INDEX_ONLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    labels = torch.tensor([0, 3, IGNORED, 1])
+    for key, section in [("loss", LossConfig), ("metrics", MetricsConfig)]:
+        spec = "index_only:nll" if key == "loss" else "index_only:class_counts"
+        plain = Config(**{key: section(factory=spec)})  # type: ignore[arg-type]
+        losses.build(plain, 4, labels, CPU)  # accepted without mixing
+        mixed = Config(**{key: section(factory=spec)}, aug=AugConfig(cutmix_alpha=1.0))
+        with pytest.raises(ConfigError, match=rf"{key}.factory={spec}: .* torch.float32 \(3, 4\)"):
+            losses.build(mixed, 4, labels, CPU)
+
+
+@pytest.mark.e2e
+def test_an_index_only_loss_factory_is_exit_2_at_start_up_when_batches_are_mixed(tmp_path):
+    (tmp_path / "index_only.py").write_text(INDEX_ONLY)
+    args = tiny_job_args(tmp_path / "run", "--loss.factory=index_only:nll", "--aug.mixup_alpha=0.2")
+    done = launch(None, *args, env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == exitcodes.EXIT_BAD_INPUT, done.output[-3000:]
+    assert "loss.factory=index_only:nll: its loss fails on logits" in done.output
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
