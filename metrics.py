@@ -131,7 +131,10 @@ def flops_per_sample(model: nn.Module, sample: torch.Tensor, loss_fn: nn.Module)
     probe = copy.deepcopy(distributed.unwrap_model(model)).train()
     batch = sample[:2]
     counter = FlopCounterMode(display=False)
-    labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
+    if hasattr(loss_fn, "zero_targets"):  # the kind training passes (objective.losses)
+        labels = loss_fn.zero_targets(len(batch), batch.device)
+    else:
+        labels = torch.zeros(len(batch), dtype=torch.long, device=batch.device)
     inputs = loss_fn.inputs(batch, labels) if hasattr(loss_fn, "inputs") else (batch,)
     with counter:  # the model's arguments as the objective gives them (objective.losses)
         loss_fn(probe(*inputs), labels).backward()

@@ -121,7 +121,6 @@ class Trainer:
         )
         self.preprocess = data.Preprocess(splits, info.device, self.auto.channels_last)
         self.mix = data.BatchAugment(cfg.aug, cfg.train.seed, info.rank, splits.num_classes)
-        self.stand_in = failures.StandIn(self.preprocess, cfg.data.batch_size, splits.input_shape)
         self.num_train = len(splits.train)  # type: ignore[arg-type]
         self.num_eval = len(splits.eval)  # type: ignore[arg-type]
         # What an evaluation leaves out: an image folder's unreadable images (bad_images=skip),
@@ -157,6 +156,8 @@ class Trainer:
         self.amp_dtype = self.auto.amp
         self.scaler = engine.make_scaler(self.info.device, self.amp_dtype)
         self.loss_fn = losses.build(cfg, self.num_classes, splits.eval, self.info.device)
+        stand_in = self.loss_fn.zero_targets(cfg.data.batch_size)  # a failed batch's labels
+        self.stand_in = failures.StandIn(self.preprocess, splits.input_shape, stand_in)
 
     def build_checkpointing(
         self, lease: rundir.Lease | None, data_fingerprint: str, classes: list[str] | None
@@ -363,8 +364,7 @@ class Trainer:
         """log.mfu: the model's FLOPs per sample, counted once on a probe batch."""
         # Zeros of the data's shape (the count depends on shapes only): a rank's share of
         # the evaluation set is empty when it has fewer samples than there are ranks.
-        zeros = torch.zeros(2, *self.input_shape, dtype=torch.uint8)
-        sample, _ = self.preprocess(zeros, torch.zeros(2, dtype=torch.long))
+        sample = self.stand_in()[0][:2]  # zero images, preprocessed
         dtype = self.amp_dtype or torch.float32
         build.count_flops(
             self.model,

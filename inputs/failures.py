@@ -112,16 +112,18 @@ class NamedSamples(Dataset):
 class StandIn:
     """Zeros of a training micro-batch's shape, preprocessed: what a rank whose batch failed to
     load runs instead, so that it still joins the step's collectives (DDP's all-reduce, FSDP's
-    gathers) and then the step's vote (resilience.StepGuard), which stops every rank."""
+    gathers) and then the step's vote (resilience.StepGuard), which stops every rank. Its
+    `labels` are zeros of the kind the loss gets in training (Objective.zero_targets: float
+    rows for multi-hot or mixed targets): it is not mixed, and the loss must not raise."""
 
     def __init__(
-        self, preprocess: Callable[[torch.Tensor, torch.Tensor], Batch], size: int, shape: Any
+        self, preprocess: Callable[[torch.Tensor, torch.Tensor], Batch], shape: Any, labels: Any
     ) -> None:
-        self.preprocess, self.size, self.shape = preprocess, size, tuple(shape)
+        self.preprocess, self.shape, self.labels = preprocess, tuple(shape), labels
 
     def __call__(self) -> Batch:
-        zeros = torch.zeros(self.size, *self.shape, dtype=torch.uint8)
-        return self.preprocess(zeros, torch.zeros(self.size, dtype=torch.long))
+        zeros = torch.zeros(len(self.labels), *self.shape, dtype=torch.uint8)
+        return self.preprocess(zeros, self.labels)
 
 
 @dataclass

@@ -6,8 +6,9 @@ Every draw comes from a hash of (seed, epoch, step, micro-batch, rank), never fr
 global generator: a run resumed at a step boundary draws what an uninterrupted one would
 (same world size and batch size, as the batches themselves are). Mixing pairs each sample
 with the batch rolled by one (torchvision.transforms.v2's MixUp and CutMix do the same) and
-returns float targets [N, C]: the one-hot rows mixed. Label smoothing is the loss's (it is
-linear: smoothing the one-hot rows before mixing gives the same targets). A sample labelled
+returns float targets [N, C]: the one-hot rows (a data.factory's multi-hot rows as they are)
+mixed. Label smoothing is the loss's (it is linear: smoothing the one-hot rows before mixing
+gives the same targets). A sample labelled
 IGNORED (a skipped image) leaves a mixed batch before it is mixed (`counted_only`, on the CPU
 where the DataLoader delivers it): every float row counts, as objective/targets.py says.
 """
@@ -21,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from config import IGNORED, AugConfig
+from config import AugConfig
 from inputs.sampling import mix64
 from objective import targets
 
@@ -131,11 +132,11 @@ def mix(
     images: torch.Tensor, labels: torch.Tensor, num_classes: int, draw: Draw
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample mixed with the one before it in the batch (the batch rolled by one), as
-    `draw` says; targets are the one-hot rows mixed with the same weight. An IGNORED sample
-    (none reaches it from the trainer, `counted_only`) gets a zero row and mixes into none."""
-    counted = labels != IGNORED
-    onehot = torch.nn.functional.one_hot(labels.clamp(min=0), num_classes).to(images.dtype)
-    onehot *= counted[:, None]  # an IGNORED sample's row: zeros
+    `draw` says; targets are the one-hot rows (a data.factory's multi-hot float rows as they
+    are) mixed with the same weight. An IGNORED sample (none reaches it from the trainer,
+    `counted_only`) gets a zero row and mixes into none; a float row always counts."""
+    counted = targets.counted(labels)
+    onehot = targets.one_hot(labels, num_classes).to(images.dtype)  # IGNORED rows: zeros
     partner_counted = counted.roll(1, 0)
     lam = torch.where(partner_counted, draw.lam, 1.0).to(images.dtype)  # per sample
     if draw.kind == "mixup":
@@ -145,5 +146,5 @@ def mix(
         mixed = images.clone()
         mixed[:, :, y1:y2, x1:x2] = images.roll(1, 0)[:, :, y1:y2, x1:x2]
     mixed = torch.where(partner_counted[:, None, None, None], mixed, images)
-    targets = onehot * lam[:, None] + onehot.roll(1, 0) * (1.0 - lam[:, None])
-    return mixed, targets * counted[:, None]  # an IGNORED sample's row stays all zero
+    rows = onehot * lam[:, None] + onehot.roll(1, 0) * (1.0 - lam[:, None])
+    return mixed, rows * counted[:, None]  # an IGNORED sample's row stays all zero

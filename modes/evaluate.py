@@ -1,7 +1,8 @@
 """run.mode=evaluate: score weights on the configured dataset's evaluation split, exactly as a
 training run's evaluation does (engine.evaluate: every sample once over all ranks, sums
-reduced), and write a JSON report: scoring.report's totals, per-class accuracy and confusion
-matrix, and what was scored (the weights, which of them, the data, the world size).
+reduced, the run's evaluation loss and metrics.factory), and write a JSON report:
+scoring.report's totals, per-class accuracy and confusion matrix, and what was scored (the
+weights, which of them, the data, the world size).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import scoring
 from config import Config
 from distributed import DistInfo
 from modes import common
+from objective import losses
 
 log = logging.getLogger("train")
 
@@ -66,8 +68,10 @@ def run(cfg: Config, info: DistInfo) -> dict[str, Any]:
 def score(
     cfg: Config, info: DistInfo, splits: data.DataSplits, model: torch.nn.Module
 ) -> engine.EvalResult:
-    """engine.evaluate over this rank's shard of the evaluation split (a collective); a sample
-    that fails to load fails every rank, naming it (inputs.failures)."""
+    """engine.evaluate over this rank's shard of the evaluation split (a collective), with the
+    run's objective as training evaluates (its loss and metrics.factory); a sample that fails
+    to load fails every rank, naming it (inputs.failures)."""
+    objective = losses.build(cfg, splits.num_classes, splits.eval, info.device)
     loader = data.build_eval_loader(splits, cfg.data, info, cfg.train.seed)
     preprocess = data.Preprocess(splits, info.device, channels_last=False)
     failed: list[Exception] = []
@@ -94,6 +98,7 @@ def score(
             splits.input_shape,
             splits.num_classes,
             confusion=True,
+            objective=objective,
         )
     finally:
         data.close_loader(loader)

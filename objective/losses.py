@@ -88,6 +88,14 @@ class Objective:
     model_loss: bool = False  # loss.name=model: model(images, targets) -> (logits, loss)
     aux_weight: float = 0.4
     metric: UserMetric | None = None
+    float_targets: int = 0  # C when training passes float rows [N, C] (multi-hot, mixed)
+
+    def zero_targets(self, n: int, device: torch.device | None = None) -> torch.Tensor:
+        """Zero targets of the kind training passes the loss, for the FLOP probe and a failed
+        batch's stand-in: float rows [n, C] for multi-hot data or mixed batches, else indices."""
+        if self.float_targets:
+            return torch.zeros(n, self.float_targets, device=device)
+        return torch.zeros(n, dtype=torch.long, device=device)
 
     def inputs(self, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The model's arguments in training: the targets too when it computes its loss."""
@@ -128,11 +136,16 @@ def build(
 ) -> Objective:
     """The run's objective, checked before training: class weights against the dataset's
     classes; loss.factory and metrics.factory by a call on a batch of real targets (those of
-    the first samples of `eval_set`, read only then; or the targets given as a tensor)."""
+    the first samples of `eval_set`, read only then, or the targets given as a tensor) as
+    training passes them: one-hot float rows when batches are mixed (inputs/mixing.py)."""
     section, smoothing = cfg.loss, cfg.optim.label_smoothing
     sample = torch.zeros(0, dtype=torch.long)
-    if section.factory or cfg.metrics.factory:
+    if section.factory or cfg.metrics.factory or cfg.data.factory:  # only a factory's multi-hot
         sample = eval_set if isinstance(eval_set, torch.Tensor) else sample_targets(eval_set)
+    trained = sample
+    if cfg.aug.mixing:  # step 1's targets: the rows mixed, every IGNORED sample left out
+        trained = targets.one_hot(sample[targets.counted(sample)], num_classes)
+    rows = num_classes if targets.soft(trained) else 0  # float rows in training, and C
     weights = section.class_weights
     if weights and len(weights) != num_classes:
         raise ConfigError(
@@ -140,10 +153,10 @@ def build(
             f"{len(weights)} weights, and the data has {num_classes} classes: give one per class"
         )
     w = torch.tensor(weights, dtype=torch.float32, device=device) if weights else None
-    metric = metrics.load(cfg.metrics, num_classes, sample.to(device))
+    metric = metrics.load(cfg.metrics, num_classes, sample.to(device), trained.to(device))
     if section.factory:
-        loss = _factory(section.factory, section.kwargs, num_classes, sample.to(device))
-        return Objective(loss, aux_weight=section.aux_weight, metric=metric)
+        loss = _factory(section.factory, section.kwargs, num_classes, trained.to(device))
+        return Objective(loss, aux_weight=section.aux_weight, metric=metric, float_targets=rows)
     chosen: dict[str, tuple[LossFn, LossFn]] = {
         "cross_entropy": (
             functools.partial(F.cross_entropy, weight=w, label_smoothing=smoothing),
@@ -161,7 +174,7 @@ def build(
     }
     loss, eval_loss = chosen[section.name]
     model_loss = section.name == "model"
-    return Objective(loss, eval_loss, model_loss, section.aux_weight, metric)
+    return Objective(loss, eval_loss, model_loss, section.aux_weight, metric, rows)
 
 
 def _no_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -111,34 +111,37 @@ def make(key: str, spec: str, kwargs: str, num_classes: int) -> Any:
     return factory(num_classes=num_classes, **given)
 
 
-def load(cfg: MetricsConfig, num_classes: int, sample: torch.Tensor) -> UserMetric | None:
-    """metrics.factory's metric, called once on zero logits and `sample` (one batch of real
-    targets): names that are identifiers and no built-in row field, (sum, count) pairs."""
+def load(cfg: MetricsConfig, num_classes: int, *samples: torch.Tensor) -> UserMetric | None:
+    """metrics.factory's metric, called once on zero logits and each of `samples` (batches of
+    real targets, as evaluation and as training pass them): names that are identifiers and no
+    built-in row field, the same for every kind of targets, (sum, count) pairs."""
     if not cfg.factory:
         return None
     where = f"metrics.factory={cfg.factory}"
     made = make("metrics.factory", cfg.factory, cfg.kwargs, num_classes)
     if not callable(made):
         raise ConfigError(f"{where} returned {type(made).__name__}, not a callable metric")
-    logits = torch.zeros(len(sample), num_classes, device=sample.device)
-    try:
-        got = made(logits, sample)
-    except Exception as err:
-        raise ConfigError(
-            f"{where}: the metric fails on logits {tuple(logits.shape)} and targets "
-            f"{sample.dtype} {tuple(sample.shape)} ({type(err).__name__}: {err})"
-        ) from None
-    if not isinstance(got, dict) or not got:
-        raise ConfigError(
-            f"{where}: the metric returned {type(got).__name__}; return {{name: (sum, count)}}"
-        )
-    for name in got:
-        clash = name in BUILT_IN or str(name).endswith(("_min", "_median", "_max"))
-        if not isinstance(name, str) or not NAME.fullmatch(name) or clash:
+    metric = None
+    for sample in samples:
+        logits = torch.zeros(len(sample), num_classes, device=sample.device)
+        try:
+            got = made(logits, sample)
+        except Exception as err:
             raise ConfigError(
-                f"{where}: metric name {name!r} is taken by a built-in field or is no "
-                "identifier: rename it (e.g. 'f1' or 'recall_macro')"
+                f"{where}: the metric fails on logits {tuple(logits.shape)} and targets "
+                f"{sample.dtype} {tuple(sample.shape)} ({type(err).__name__}: {err})"
+            ) from None
+        if not isinstance(got, dict) or not got:
+            raise ConfigError(
+                f"{where}: the metric returned {type(got).__name__}; return {{name: (sum, count)}}"
             )
-    metric = UserMetric(made, tuple(got), where)
-    metric.measure(logits, sample)  # every value a (sum, count) pair
+        for name in got:
+            clash = name in BUILT_IN or str(name).endswith(("_min", "_median", "_max"))
+            if not isinstance(name, str) or not NAME.fullmatch(name) or clash:
+                raise ConfigError(
+                    f"{where}: metric name {name!r} is taken by a built-in field or is no "
+                    "identifier: rename it (e.g. 'f1' or 'recall_macro')"
+                )
+        metric = metric or UserMetric(made, tuple(got), where)
+        metric.measure(logits, sample)  # every value a (sum, count) pair, the same names
     return metric

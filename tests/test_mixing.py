@@ -189,3 +189,28 @@ def test_float_targets_train_with_cross_entropy_and_score_against_their_argmax()
     assert stats.labelled.item() == 4
     hits = sum(int(logits[r].argmax() == targets[r].argmax()) for r in rows)
     assert stats.correct.item() == hits
+
+
+@pytest.mark.parametrize("kind", ["mixup", "cutmix"])
+def test_multi_hot_rows_are_mixed_as_they_are(kind) -> None:
+    """Before: a data.factory's multi-hot float rows raised in one_hot ("one_hot is only
+    applicable to index tensor of type LongTensor") at the first mixed step. Now each target
+    is lam x its own row + (1 - lam) x the row before it, checked against rows mixed by hand;
+    a multi-hot row always counts (objective/targets.py), even an all-zero one."""
+    images, _ = batch(4, (4, 4))
+    multi = torch.tensor(
+        [[1.0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 1]]
+    )  # row 2: no label on, still a sample that counts
+    draw = mixing.Draw("mixup", 0.3) if kind == "mixup" else mixing.cutmix_draw(0.5, (2, 2), (4, 4))
+    mixed, got = mixing.mix(images, multi, NUM_CLASSES, draw)
+    lam = draw.lam
+    rows = multi.tolist()  # rows[-1]: the first row's partner is the last (rolled by one)
+    hand = [
+        [lam * a + (1 - lam) * b for a, b in zip(rows[i], rows[i - 1], strict=True)]
+        for i in range(4)
+    ]
+    torch.testing.assert_close(got, torch.tensor(hand))
+    if kind == "mixup":
+        torch.testing.assert_close(mixed[0], lam * images[0] + (1 - lam) * images[3])
+    mixer = mixing.BatchAugment(AugConfig(cutmix_alpha=1.0), 0, 0, NUM_CLASSES)
+    assert mixer(images, multi, At(0, 0))[1].shape == (4, NUM_CLASSES)  # the trainer's path

@@ -478,3 +478,23 @@ def test_bad_input_exits_2_naming_it_and_changes_nothing(
     assert proc.returncode == 2, proc.output
     assert named in proc.output, proc.output
     assert snapshot(trained) == before and sorted(tmp_path.rglob("*")) == outside
+
+
+@pytest.mark.e2e
+def test_evaluate_reports_the_runs_loss_and_metric_as_training_logged_them(tmp_path) -> None:
+    """Before: run.mode=evaluate scored every run with cross-entropy and dropped
+    metrics.factory: a focal run's report said loss 1.034 (cross-entropy) where the run logged
+    0.519 for the same weights, and had no f1. Now the report's loss and f1 equal the training
+    run's last eval row (the same checkpoint: no weight average, the last step's weights)."""
+    run = tmp_path / "run"
+    flags = ("--loss.name=focal", "--metrics.factory=examples.custom_objective:f1_counts")
+    proc = launch(None, *tiny_job_args(run, *flags))
+    assert proc.returncode == 0, proc.output[-3000:]
+    logged = rows(run, "eval")[-1]
+    out = tmp_path / "report.json"
+    proc = launch(None, *tiny_job_args(run, *flags), "--run.mode=evaluate", f"--run.output={out}")
+    assert proc.returncode == 0, proc.output[-3000:]
+    report = json.loads(out.read_text())
+    assert report["step"] == logged["step"] and report["top1"] == logged["accuracy"]
+    assert report["loss"] == pytest.approx(logged["loss"], rel=1e-6)
+    assert report["f1"] == pytest.approx(logged["f1"], rel=1e-12)

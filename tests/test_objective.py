@@ -15,7 +15,10 @@ from torch import nn
 import engine
 import exitcodes
 import model as models
-from config import IGNORED, Config, LossConfig, MetricsConfig, ModelConfig
+from ckpt import parts
+from config import IGNORED, AugConfig, Config, LossConfig, MetricsConfig, ModelConfig
+from inputs import failures, mixing
+from metrics import flops_per_sample
 from objective import losses, targets
 from schema import ConfigError
 
@@ -385,3 +388,148 @@ def test_a_metric_named_as_a_built_in_field_is_refused() -> None:
 
 def clashing(*, num_classes: int):
     return lambda logits, target: {"top5": (torch.tensor(1.0), torch.tensor(2.0))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets of the kind training passes: the FLOP probe's and a failed batch's stand-in
+
+MULTI_HOT = torch.tensor([[1.0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]])
+
+
+def float_rows_only(*, num_classes: int):
+    """A loss.factory written for float rows (multi-hot or mixed): index targets raise."""
+    return F.binary_cross_entropy_with_logits
+
+
+@pytest.mark.parametrize(
+    ("settings", "labels"),
+    [({}, MULTI_HOT), ({"aug": AugConfig(mixup_alpha=0.2)}, torch.tensor([0, 3, 1]))],
+    ids=["multi-hot", "mixup"],
+)
+def test_the_probe_and_the_stand_in_get_targets_of_the_kind_training_gets(settings, labels):
+    """Before: log.mfu's FLOP probe called the loss with int64 zero labels, and a loss.factory
+    written for float rows raised there ("Target size (torch.Size([2])) must be the same as
+    input size", exit 1); a failed batch's stand-in had the same labels. Now both get zeros of
+    the kind step 1 passes: the dtype and shape of a real batch after BatchAugment, and the
+    probe counts what a hand count of the linear layer's matmuls gives."""
+    cfg = Config(loss=LossConfig(factory="test_objective:float_rows_only"), **settings)
+    objective = losses.build(cfg, 4, labels, CPU)
+    images = torch.zeros(len(labels), 1, 4, 4)
+    step_one = mixing.BatchAugment(cfg.aug, 0, 0, 4)(images, labels, parts.Position())[1]
+    probe = objective.zero_targets(2)
+    assert probe.dtype == step_one.dtype and probe.shape[1:] == step_one.shape[1:]
+    assert torch.equal(probe, torch.zeros(2, 4))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 4))
+    # forward x @ W^T, backward grad @ x for W (the input needs no gradient): 2 x 16 x 4 each
+    assert flops_per_sample(model, images[:2], objective) == 2 * (2 * 16 * 4)
+    stand_in = failures.StandIn(lambda x, y: (x.float(), y), (1, 4, 4), objective.zero_targets(3))
+    batch = stand_in()
+    assert batch[0].shape == (3, 1, 4, 4) and torch.equal(batch[1], torch.zeros(3, 4))
+    objective(model(batch[0]), batch[1])  # the loss takes it: the step reaches its vote
+    plain = losses.build(Config(), 4, torch.tensor([0, 3]), CPU)  # index data, no mixing
+    assert torch.equal(plain.zero_targets(2), torch.zeros(2, dtype=torch.long))
+
+
+RAISING_MULTI_HOT = """
+import torch
+import torch.nn.functional as F
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, n, seed, bad=None):
+        generator = torch.Generator().manual_seed(seed)
+        self.labels = (torch.rand(n, 3, generator=generator) < 0.5).float()
+        noise = torch.randint(0, 40, (n, 1, 8, 8), generator=generator)
+        self.images = (noise + 60 * self.labels[:, :1].view(n, 1, 1, 1)).to(torch.uint8)
+        self.bad = bad
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            raise ValueError(f"no such record: {index}")
+        return self.images[index], self.labels[index]
+
+def make(*, root, bad=None):
+    return {"train": Samples(32, 1, bad), "eval": Samples(8, 2), "num_classes": 3,
+            "input_shape": (1, 8, 8)}
+
+def multi_label_bce(*, num_classes):
+    return F.binary_cross_entropy_with_logits
+"""
+
+
+@pytest.mark.e2e
+def test_a_failed_multi_hot_batch_skips_checkpoints_and_exits_2_on_every_rank(tmp_path) -> None:
+    """Before: the rank whose multi-hot batch failed to load ran its stand-in's int64 labels
+    through a loss.factory for float rows, which raised ValueError ("Target size
+    (torch.Size([2])) must be the same as input size") before the step's vote; the other rank
+    died in its collective ("Connection closed by peer"), exit 1, no checkpoint of the 2 steps
+    trained. Now the stand-in's labels are float rows: the step is voted, step 2 is
+    checkpointed, the sample named, exit 2."""
+    from test_failures import sample_of
+
+    (tmp_path / "multihot.py").write_text(RAISING_MULTI_HOT)
+    bad = sample_of(0, 3, 32)
+    args = [
+        f"--run.dir={tmp_path / 'run'}",
+        "--data.factory=multihot:make",
+        f"--data.root={tmp_path}",
+        f'--data.kwargs={{"bad": {bad}}}',
+        "--data.batch_size=2",
+        "--data.num_workers=0",
+        "--loss.factory=multihot:multi_label_bce",
+        "--log.mfu=false",  # its FLOP probe has its own test above
+        "--train.epochs=1",
+        "--model.widths=8,16",
+        "--log.tensorboard=false",
+    ]
+    failed = launch(2, *args, env={"PYTHONPATH": str(tmp_path)})
+    assert "exitcode: 2" in failed.output, failed.output[-4000:]
+    assert f"data.factory=multihot:make: train[{bad}] failed to load" in failed.output
+    assert "checkpoint of step 2 written" in failed.output
+    assert final_state(tmp_path / "run")["step"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Factories checked at start-up on the targets training passes them
+
+INDEX_ONLY = """
+import torch
+import torch.nn.functional as F
+
+def nll(*, num_classes):
+    return lambda logits, target: F.nll_loss(F.log_softmax(logits, dim=1), target)
+
+def class_counts(*, num_classes):
+    return lambda logits, target: {"seen": (torch.bincount(target.clamp_min(0)).sum(), len(target))}
+"""
+
+
+def test_factories_for_index_targets_are_refused_when_batches_are_mixed(tmp_path, monkeypatch):
+    """Before: loss.factory and metrics.factory were checked on the eval split's index targets
+    only, so a loss that takes indices only (F.nll_loss) passed the check and raised at step 1,
+    where mixing passes float rows [N, C]. Now, with mixing on, they are called on one-hot float
+    rows of the sampled labels too (the metric also on the indices evaluation passes)."""
+    (tmp_path / "index_only.py").write_text(INDEX_ONLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    labels = torch.tensor([0, 3, IGNORED, 1])
+    for key, section in [("loss", LossConfig), ("metrics", MetricsConfig)]:
+        spec = "index_only:nll" if key == "loss" else "index_only:class_counts"
+        plain = Config(**{key: section(factory=spec)})  # type: ignore[arg-type]
+        losses.build(plain, 4, labels, CPU)  # accepted without mixing
+        mixed = Config(**{key: section(factory=spec)}, aug=AugConfig(cutmix_alpha=1.0))
+        with pytest.raises(ConfigError, match=rf"{key}.factory={spec}: .* torch.float32 \(3, 4\)"):
+            losses.build(mixed, 4, labels, CPU)
+
+
+@pytest.mark.e2e
+def test_an_index_only_loss_factory_is_exit_2_at_start_up_when_batches_are_mixed(tmp_path):
+    (tmp_path / "index_only.py").write_text(INDEX_ONLY)
+    args = tiny_job_args(tmp_path / "run", "--loss.factory=index_only:nll", "--aug.mixup_alpha=0.2")
+    done = launch(None, *args, env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == exitcodes.EXIT_BAD_INPUT, done.output[-3000:]
+    assert "loss.factory=index_only:nll: its loss fails on logits" in done.output
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
