@@ -492,5 +492,6 @@ def test_a_checkpoint_of_other_groups_is_refused_naming_the_setting() -> None:
     grouped = OptimConfig(param_groups=EXAMPLE, param_groups_kwargs='{"head": "head"}')
     after = spec.build_optimizer(model, grouped, "foreach", groups.plan(model, grouped))
     manager, _ = manager_with(cfg, optimizer=parts.OptimizerState(after))
-    with pytest.raises(CheckpointError, match="optim.param_groups change"):
+    named = r"optim.param_groups or optim.norm_weight_decay / bias_weight_decay between 0"
+    with pytest.raises(CheckpointError, match=named):
         manager.restore(Path("c.pt"), saved_state(cfg, optimizer=before.state_dict()))
