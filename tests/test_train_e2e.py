@@ -517,7 +517,7 @@ def make(*, root):
     bad = os.path.exists(os.path.join(root, "bad"))  # the user fixes the data: removes it
     return {
         "train": Samples(64, 1),
-        "eval": Samples(40, 2, bad_index=5 if bad else None),
+        "eval": Samples(40, 2, bad_index=25 if bad else None),
         "num_classes": 2,
         "input_shape": (1, 8, 8),
     }
@@ -529,8 +529,9 @@ def test_a_bad_evaluation_label_keeps_the_epoch_trained_and_names_the_sample(tmp
     checkpoint (exit 1, no index named); every restart trained the epoch again. Now the epoch
     is checkpointed (owing its evaluation), the run exits 2 naming the sample, and once the
     data is fixed the same command evaluates and ends without training again. The checkpoint
-    equals an uninterrupted run's on good data, bit for bit (2 ranks: sample 5 is on rank 1's
-    shard only, so the ranks must agree on the failure)."""
+    equals an uninterrupted run's on good data, bit for bit (2 ranks: sample 25 is on rank 1's
+    shard only, so the ranks must agree on the failure; it lies past the first 8 evaluation
+    samples, which the objective's start-up check reads and would refuse before training)."""
     (tmp_path / "bad_eval_label.py").write_text(BAD_EVAL_LABEL)
     root = tmp_path / "root"
     root.mkdir()
@@ -551,7 +552,7 @@ def test_a_bad_evaluation_label_keeps_the_epoch_trained_and_names_the_sample(tmp
     run_dir = tmp_path / "run"
     failed = launch(2, f"--run.dir={run_dir}", *args, env=env)
     assert failed.returncode != 0 and "exitcode: 2" in failed.output, failed.output[-4000:]
-    assert "make: eval[5] has label 7: labels must be ints in [0, 2)" in failed.output
+    assert "make: eval[25] has label 7: labels must be ints in [0, 2)" in failed.output
     assert "evaluation failed; checkpoint of step 4 written" in failed.output
     saved = final_state(run_dir)
     assert saved["pending_eval"] and saved["step"] == 4  # 64 samples / (2 ranks x 8)
