@@ -483,11 +483,9 @@ def _fit_to_model(
     return kept, replaced, misshapen
 
 
-def _raise_unless_fits(
-    where: str, missing: list[str], unexpected: list[str], misshapen: list[str]
-) -> None:
-    """Bad input naming the first keys of each kind of misfit, if there is any."""
-    problems = [
+def fit_problems(missing: list[str], unexpected: list[str], misshapen: list[str]) -> list[str]:
+    """Each kind of misfit between a state dict and a model, naming its first keys."""
+    return [
         f"{label}: {', '.join(keys[:8])}{f' and {len(keys) - 8} more' if len(keys) > 8 else ''}"
         for label, keys in (
             ("missing", missing),
@@ -496,6 +494,13 @@ def _raise_unless_fits(
         )
         if keys
     ]
+
+
+def _raise_unless_fits(
+    where: str, missing: list[str], unexpected: list[str], misshapen: list[str]
+) -> None:
+    """Bad input naming the first keys of each kind of misfit, if there is any."""
+    problems = fit_problems(missing, unexpected, misshapen)
     if problems:
         raise ConfigError(f"{where} does not fit the model: {'; '.join(problems)}")
 

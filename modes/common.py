@@ -163,15 +163,7 @@ def build_model(
         for k, v in state.items()
         if k in own and v.shape != own[k].shape
     ]
-    problems = [
-        f"{label}: {', '.join(keys[:8])}{f' and {len(keys) - 8} more' if len(keys) > 8 else ''}"
-        for label, keys in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("misshapen", misshapen),
-        )
-        if keys
-    ]
+    problems = models.fit_problems(missing, unexpected, misshapen)
     if problems:
         raise ConfigError(
             f"{where} does not fit {cfg.model.source} for {splits.num_classes} classes and "
