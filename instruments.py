@@ -73,7 +73,7 @@ class StepTimer:
         self.compute_mark: Any = None
         self.update_mark: Any = None
         self.stats: StepStats | None = None
-        self.skipped = False
+        self.skipped: bool | torch.Tensor = False
 
     def loaded(self) -> None:
         """The step's micro-batches are on the device: forward and backward begin."""
@@ -82,7 +82,7 @@ class StepTimer:
         self.instruments.nvtx.begin("forward/backward")
         self.compute_mark = self.instruments.clock.mark()
 
-    def agreed(self, stats: StepStats, skipped: bool) -> None:
+    def agreed(self, stats: StepStats, skipped: bool | torch.Tensor) -> None:
         """Forward, backward and the ranks' verdict are done: the update begins."""
         clock = self.instruments.clock
         clock.add("fwd_bwd", self.compute_mark, clock.mark())
@@ -206,7 +206,6 @@ class Instruments:
         self.stragglers.add(time.perf_counter() - timer.started, arrival)
         assert timer.stats is not None, "StepTimer.agreed was not called"
         self.meter.update(timer.stats, timer.data_wait_s, skipped=timer.skipped)
-        self.skipped_total += timer.skipped
         if self.bar is not None:
             self.bar.update(1)
         if self.profiler is not None:
@@ -222,6 +221,7 @@ class Instruments:
 
     def log_train(self) -> None:
         figures = self.meter.reduce(self.clock.take())  # a collective: every rank logs together
+        self.skipped_total += figures["skipped_steps"]
         if self.usage is not None:  # one more, at the same step on every rank
             samples = distributed.all_gather_floats(self.usage.sample(), self.info.device)
             figures |= saturation.reduce(samples)

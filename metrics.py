@@ -202,14 +202,16 @@ class TrainMeter:
         self.world_size = world_size
         self.metric_names: tuple[str, ...] = ()  # metrics.factory's, from the first step
         self.metric_size = 0
+        self._slots = torch.tensor([0, 1, 2, 10], device=device)  # loss, correct, labelled, top5
         self._reset()
 
     def _reset(self) -> None:
         # loss sum, correct and samples of applied steps; data-wait seconds, step seconds,
         # samples of all steps (skipped ones too), seconds of forward+backward, of the
-        # optimizer and of gradient all-reduce, steps; top-5 hits; then metrics.factory's
-        # [sum, count] pairs -- summed over ranks in `reduce`
-        self.totals = torch.zeros(11 + self.metric_size, device=self.device, dtype=torch.float64)
+        # optimizer and of gradient all-reduce, steps; top-5 hits; steps skipped on a flag
+        # decided on the device; then metrics.factory's [sum, count] pairs -- summed over ranks
+        # in `reduce`
+        self.totals = torch.zeros(12 + self.metric_size, device=self.device, dtype=torch.float64)
         self.allreduce_s = 0.0
         self.steps = 0
         self.data_wait_s = 0.0
@@ -217,12 +219,17 @@ class TrainMeter:
         self.skipped = 0
         self.started = time.perf_counter()
 
-    def update(self, stats: StepStats, data_wait_s: float, skipped: bool = False) -> None:
-        """Add one step. A skipped step's (non-finite) loss stays out of the averages."""
+    def update(
+        self, stats: StepStats, data_wait_s: float, skipped: bool | torch.Tensor = False
+    ) -> None:
+        """Add one step. A skipped step's (non-finite) loss stays out of the averages.
+        `skipped`: a 0-dim bool tensor where the skip was decided on the device (counted there)."""
         if stats.metric is not None and not self.metric_size:  # the same shape on every rank
             self.metric_size, self.metric_names = len(stats.metric), stats.metric_names
             self.totals = torch.cat([self.totals, torch.zeros_like(stats.metric)])
-        if skipped:
+        if isinstance(skipped, torch.Tensor):
+            self._add_unless(stats, skipped)
+        elif skipped:
             self.skipped += 1  # the same on every rank: the skip decision is global
         else:
             self.totals[0] += stats.loss_sum
@@ -231,10 +238,20 @@ class TrainMeter:
             if stats.top5 is not None:
                 self.totals[10] += stats.top5
             if stats.metric is not None:
-                self.totals[11:] += stats.metric
+                self.totals[12:] += stats.metric
         self.samples += stats.num_samples
         self.data_wait_s += data_wait_s
         self.steps += 1
+
+    def _add_unless(self, stats: StepStats, skipped: torch.Tensor) -> None:
+        """`update`'s sums with no host read: zeros in place of a skipped step's figures."""
+        top5 = stats.top5 if stats.top5 is not None else torch.zeros_like(stats.correct)
+        kept = (stats.loss_sum, stats.correct, stats.labelled, top5)
+        figures = torch.stack([k.to(torch.float64) for k in kept])
+        self.totals.index_add_(0, self._slots, torch.where(skipped, 0.0, figures))
+        self.totals[11] += skipped
+        if stats.metric is not None:
+            self.totals[12:] += torch.where(skipped, 0.0, stats.metric)
 
     def add_allreduce(self, seconds: float) -> None:
         self.allreduce_s += seconds
@@ -256,7 +273,8 @@ class TrainMeter:
         loss_sum, correct, samples, wait, busy, all_samples, fwd_bwd, opt, allreduce, steps = (
             reduced[:10]
         )
-        top5, metric = reduced[10], reduced[11:]
+        top5, metric = reduced[10], reduced[12:]
+        skipped += round(reduced[11] / self.world_size)  # the same on every rank
         self._reset()
         mean_elapsed = busy / self.world_size
         per_step_ms = 1000 / steps if steps else 0.0  # sums over ranks / (steps x ranks) x ranks

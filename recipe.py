@@ -262,6 +262,12 @@ class TrainConfig(Section):
     max_nonfinite_steps: int = 5
     """consecutive optimizer steps with a non-finite loss or gradient (each
     skipped on every rank) after which the run stops with exit code 3"""
+    verdict: Literal["auto", "host", "device"] = "auto"
+    """where a step's non-finite skip is decided: host = the ranks' vote read
+    every step (one device sync per step on CUDA); device = the fused
+    optimizer skips on a flag on the device and the host reads the vote a
+    step late (needs optim.impl=fused, no fp16, no ema_decay, ddp or one
+    rank); auto = device on CUDA where it can, host elsewhere"""
 
     def __post_init__(self) -> None:
         self._require("epochs", self.epochs >= 1, "must be >= 1")

@@ -168,7 +168,9 @@ class PreemptionHandler:
 
 @dataclass(frozen=True)
 class Verdict:
-    skip: bool  # a non-finite loss or gradient somewhere: leave params and optimizer alone
+    # A non-finite loss or gradient somewhere: leave params and optimizer alone. A 0-dim bool
+    # tensor on the device where verdicts.DeviceVerdicts decides it there (never read on the host).
+    skip: bool | torch.Tensor
     stop: str | None  # name of the preemption signal some rank received, or None
     nonfinite_ranks: tuple[int, ...]  # ranks whose loss was not finite
     writes_done: bool = True  # no rank's checkpoint writer is still writing
@@ -184,7 +186,8 @@ class StepGuard:
     one for "my checkpoint writer is still writing" (a sharded checkpoint's manifest is
     written at the first step where no rank is), one for "my batch failed to load" (it ran on
     stand-in batches: the step is skipped, uncounted, and the run stops after a checkpoint).
-    The result is read on the host once per step: free on CPU, one device sync on CUDA.
+    The result is read on the host once per step: free on CPU, one device sync on CUDA
+    (verdicts.DeviceVerdicts reads the non-finite flags a step late instead).
     """
 
     def __init__(self, info: DistInfo, max_consecutive: int, check_grad: bool) -> None:
@@ -221,33 +224,41 @@ class StepGuard:
         writes_done = values[world + 2] == 0
         if values[world + 3] > 0:  # not a non-finite step: neither logged nor counted as one
             return Verdict(True, stop_signal, (), writes_done, load_failed=True)
-        nonfinite_ranks = tuple(rank for rank in range(world) if values[rank] > 0)
-        skip = bool(nonfinite_ranks) or values[world] > 0
         stop = None
         if values[world + 1] > 0:
             stop = stop_signal or "a signal received by another rank"
-        if skip:
-            self.consecutive += 1
-            self.skipped_total += 1
-            where = f"loss on rank(s) {list(nonfinite_ranks)}" if nonfinite_ranks else "gradient"
-            log.warning(
-                "step %d: non-finite %s; skipped the optimizer step (%d in a row, %d in total)",
-                step,
-                where,
-                self.consecutive,
-                self.skipped_total,
-            )
-            if self.consecutive >= self.max_consecutive:
-                raise DivergedError(
-                    f"{self.consecutive} consecutive optimizer steps had a non-finite loss or "
-                    f"gradient (the last at step {step}, {where}), "
-                    f"train.max_nonfinite_steps={self.max_consecutive}: training diverged. Lower "
-                    "optim.lr, raise optim.warmup_steps or set optim.grad_clip, and resume from a "
-                    "checkpoint before the divergence"
-                )
-        else:
-            self.consecutive = 0
+        skip, nonfinite_ranks = self.judge(values[: world + 1], step)
         return Verdict(skip, stop, nonfinite_ranks, writes_done=writes_done)
+
+    def judge(self, values: list[float], step: int) -> tuple[bool, tuple[int, ...]]:
+        """Whether the step is skipped, from its all-reduced flags ([non-finite loss of each
+        rank..., non-finite gradient]), and the ranks whose loss was not finite: counted,
+        logged, and raised as DivergedError (on every rank alike) after too many in a row."""
+        world = self.info.world_size
+        nonfinite_ranks = tuple(rank for rank in range(world) if values[rank] > 0)
+        skip = bool(nonfinite_ranks) or values[world] > 0
+        if not skip:
+            self.consecutive = 0
+            return False, ()
+        self.consecutive += 1
+        self.skipped_total += 1
+        where = f"loss on rank(s) {list(nonfinite_ranks)}" if nonfinite_ranks else "gradient"
+        log.warning(
+            "step %d: non-finite %s; skipped the optimizer step (%d in a row, %d in total)",
+            step,
+            where,
+            self.consecutive,
+            self.skipped_total,
+        )
+        if self.consecutive >= self.max_consecutive:
+            raise DivergedError(
+                f"{self.consecutive} consecutive optimizer steps had a non-finite loss or "
+                f"gradient (the last at step {step}, {where}), "
+                f"train.max_nonfinite_steps={self.max_consecutive}: training diverged. Lower "
+                "optim.lr, raise optim.warmup_steps or set optim.grad_clip, and resume from a "
+                "checkpoint before the divergence"
+            )
+        return True, nonfinite_ranks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ if __name__ == "__main__":  # a bad command line fails in a second, before torch
             signal.signal(signal.Signals[_name], lambda signum, _: _EARLY_SIGNALS.append(signum))
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ import model as models
 import parallel
 import resilience
 import sharding
+import verdicts
 from ckpt import parts, rundir
 from ckpt.manager import CheckpointManager, Resumed, RunRecord
 from cli import notices, parse_args
@@ -98,9 +100,13 @@ class Trainer:
         self.checkpoints = self.build_checkpointing(lease, data_fingerprint, splits.classes)
         self.attempt = launch.Attempt.on_main(info, self.paths.root, lease, preemption)
         self.buffers = engine.BufferSnapshot(self.model)
-        self.guard = resilience.StepGuard(
+        guard = resilience.StepGuard(
             info, cfg.train.max_nonfinite_steps, check_grad=not self.scaler.is_enabled()
         )
+        self.verdicts = verdicts.build(
+            cfg, info, guard, (self.optimizer, self.scaler, self.buffers), self.layout.shards
+        )
+        self.verdicts.on_diverged = self.checkpoints.settle  # a sharded save gets its manifest
         self.instruments = self.build_instruments(lease, stall_timeout_s or cfg.dist.timeout_s)
         launch.warn_if_oversubscribed(cfg, info, self.auto)
         self.batches: Iterator[Any] | None = None  # the epoch's loader iterator, once opened
@@ -243,6 +249,8 @@ class Trainer:
             accum = self.cfg.train.grad_accum_steps
             loaded = failures.StepLoad.load(self.next_micro_batch, accum, self.stand_in)
             timer.loaded()
+            writing, failed = self.checkpoints.writing, loaded.error is not None
+            self.verdicts.open(self.stop_reason, writing, failed)
             self.buffers.take()  # a skipped step must leave BatchNorm statistics alone too
             # Forward and backward of every micro-batch; only the last one all-reduces.
             stats = engine.forward_backward(
@@ -254,29 +262,15 @@ class Trainer:
                 self.amp_dtype,
                 self.cfg.optim.grad_clip,
             )
-            # One small all-reduce: skip the step if any rank's loss or gradient is not
-            # finite, stop after it if any rank received a preemption signal.
-            try:
-                verdict = self.guard.agree(
-                    stats.loss_sum,
-                    stats.grad_norm,
-                    self.stop_reason(),
-                    self.position.step + 1,
-                    writing=self.checkpoints.writing(),
-                    load_failed=loaded.error is not None,
-                )
-            except resilience.DivergedError:  # raised on every rank alike: a collective is
-                self.checkpoints.settle()  # safe, and keeps the checkpoint to resume from
-                raise
+            # One small vote: skip the step if any rank's loss or gradient is not finite,
+            # stop after it if any rank received a preemption signal (verdicts.py).
+            verdict = self.verdicts.agree(stats, self.position.step + 1)
             if verdict.load_failed:
                 self.stop_for_a_bad_batch(loaded.error)
             self.ledger.add(torch.cat(loaded.indices))
             timer.agreed(stats, verdict.skip)
-            engine.apply_update(self.optimizer, self.scaler, skip=verdict.skip)
-            if verdict.skip:
-                self.buffers.restore()
-            elif self.ema is not None:
-                self.ema.after_step(self.position)  # the position before this step
+            ema = self.ema and functools.partial(self.ema.after_step, self.position)
+            self.verdicts.apply(verdict, ema)  # the weight average: the position before it
             self.scheduler.step()
             self.position.step += 1
             self.position.samples_in_epoch += self.samples_per_step
@@ -404,9 +398,13 @@ class Trainer:
         """
         for i in range(num_steps):
             verdict = self.train_step()
+            last = i == num_steps - 1
+            due = self.checkpoints.due(self.position.step) and not last
+            if verdict.stop is not None or last or due:
+                self.verdicts.settle()  # a vote read a step late is read before what follows
             if verdict.stop is not None:
                 return verdict.stop
-            if self.checkpoints.due(self.position.step) and i < num_steps - 1:
+            if due:
                 self.save()
         return None
 

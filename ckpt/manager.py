@@ -51,6 +51,7 @@ NON_MATH_KEYS = {
     "train.max_steps",
     "train.compile",
     "train.max_nonfinite_steps",
+    "train.verdict",  # where the skip is decided, not what it decides
     "train.cuda_fast_math",
     "model.channels_last",
     "optim.impl",

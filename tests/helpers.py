@@ -191,16 +191,24 @@ def launch(
     `faults` (a TRAIN_FAULTS spec), the entry point is tests/faults.py, which injects them.
     The result's `output` is stdout and stderr together."""
     script = "train.py" if faults is None else "tests/faults.py"
-    proc = subprocess.run(
-        train_command(nproc, *args, script=script, restarts=restarts),
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults or "", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    try:
+        proc = subprocess.run(
+            train_command(nproc, *args, script=script, restarts=restarts),
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_FAULTS": faults or "", **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as err:  # where it stood, not only that it was killed
+        said = [_text(err.stdout), _text(err.stderr)]
+        raise AssertionError(f"still running after {timeout} s:\n{''.join(said)[-6000:]}") from None
     proc.output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
     return proc
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def rows(run_dir: Path, kind: str) -> list[dict]:

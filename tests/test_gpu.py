@@ -338,3 +338,38 @@ def test_a_refused_page_lock_leaves_the_buffers_pageable_and_training_unharmed(c
     finally:
         writer._pin_failed = False
         cudart.cudaHostUnregister(buffer.data_ptr())
+
+
+def test_a_device_verdict_step_waits_for_the_gpu_nowhere(tmp_path) -> None:
+    """train.verdict=auto on CUDA (the fused optimizer) decides the skip on the device: the
+    steps between two reads of the vote make no synchronizing CUDA call, as torch's sync
+    debug mode sees them (a stream or device synchronize, .item(), a pageable copy)."""
+    import warnings
+
+    import resilience
+    import train
+    from cli import parse_args
+    from distributed import DistInfo
+
+    args = ["--train.compile=off", "--log.every_steps=1000", "--log.tensorboard=false"]
+    cfg = parse_args([f"--run.dir={tmp_path}", *JOB, *args])
+    info = DistInfo(0, 0, 1, torch.device("cuda", 0))
+    handler = resilience.PreemptionHandler(cfg.run.preempt_signals)
+    with train.Trainer(cfg, info, handler) as trainer:
+        assert trainer.verdicts.on_device
+        trainer.resume()
+        with trainer.instruments.running(trainer.total_steps):
+            for _ in range(3):  # the first steps make the optimizer's state (read on the host)
+                trainer.train_step()
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for _ in range(5):
+                        trainer.train_step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            trainer.verdicts.settle()
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, syncs

@@ -1,0 +1,222 @@
+"""Where the ranks' verdict on a step is read (train.verdict): on the host every step, or
+with the skip decided on the device and the vote read a step late.
+
+A step's verdict (resilience.StepGuard) makes every rank's facts global: a non-finite loss or
+gradient (skip the step), a preemption signal (stop after it), a checkpoint writer still
+writing, a batch that failed to load. `HostVerdicts` all-reduces them and reads the result
+every step: free on CPU, one device sync per step on CUDA, where the host then waits for the
+whole step before it can queue the next one.
+
+`DeviceVerdicts` splits them. The facts the host knows (signal, writer, load failure) are
+all-reduced on the CPU (gloo; the default group on CPU runs, a gloo group beside NCCL), started
+before the forward and waited for after it, so the stop comes at the same step as on the host.
+The non-finite flags are all-reduced on the device and become a 0-dim flag there: the fused
+optimizer skips on it (engine.apply_update's `found_inf`), the BatchNorm statistics are restored
+on it (BufferSnapshot.restore_where), the meters drop the step's figures on it. The host reads
+the flags one step late, after the next step's forward and backward are queued (`settle`: the
+warning, the counts, DivergedError), and at once where the run stops, saves or ends a segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import distributed
+import engine
+from config import Config, ConfigError
+from distributed import DistInfo
+from engine import BufferSnapshot, StepStats
+from resilience import DivergedError, StepGuard, Verdict
+
+log = logging.getLogger(__name__)
+
+Facts = Callable[[], Any]  # a host fact, asked when the vote is taken
+
+
+class HostVerdicts:
+    """The vote read on the host every step (resilience.StepGuard.agree)."""
+
+    on_device = False
+
+    def __init__(self, guard: StepGuard, optimizer: Any, scaler: Any, buffers: BufferSnapshot):
+        self.guard, self.optimizer, self.scaler, self.buffers = guard, optimizer, scaler, buffers
+        # Called before DivergedError leaves a vote (raised on every rank alike: a collective
+        # is safe there), e.g. to give a sharded checkpoint in flight its manifest.
+        self.on_diverged: Callable[[], None] = lambda: None
+
+    @contextlib.contextmanager
+    def diverging(self) -> Iterator[None]:
+        try:
+            yield
+        except DivergedError:
+            self.on_diverged()
+            raise
+
+    def open(self, stop: Facts, writing: Facts, load_failed: bool) -> None:
+        """Once the step's batches are loaded: the facts this rank's host knows, `stop` (the
+        preemption signal received, if any) and `writing` (a checkpoint writer busy) asked
+        when the vote is taken (here: after the backward)."""
+        self.asked, self.load_failed = (stop, writing), load_failed
+
+    def agree(self, stats: StepStats, step: int) -> Verdict:
+        """Every rank's verdict on the step, after its forward and backward."""
+        stop, writing = self.asked
+        with self.diverging():
+            return self.guard.agree(
+                stats.loss_sum, stats.grad_norm, stop(), step, bool(writing()), self.load_failed
+            )
+
+    def apply(self, verdict: Verdict, after_applied: Callable[[], None] | None = None) -> None:
+        """The optimizer step (or its skip), the statistics restored where it is skipped;
+        `after_applied` (the weight average's update) only after an applied step."""
+        engine.apply_update(self.optimizer, self.scaler, skip=bool(verdict.skip))
+        if verdict.skip:
+            self.buffers.restore()
+        elif after_applied is not None:
+            after_applied()
+
+    def settle(self) -> None:
+        """Nothing is left to read: every verdict was read at its step."""
+
+
+class DeviceVerdicts(HostVerdicts):
+    """The skip decided on the device, the host facts voted on the CPU (see the module)."""
+
+    on_device = True
+
+    def __init__(
+        self,
+        guard: StepGuard,
+        optimizer: Any,
+        scaler: Any,
+        buffers: BufferSnapshot,
+        host_group: Any = None,
+    ) -> None:
+        super().__init__(guard, optimizer, scaler, buffers)
+        self.info = guard.info
+        self.host_group = host_group  # None: the default group (gloo already)
+        self.pending: tuple[torch.Tensor, int] | None = None  # flags of a step not read yet
+        self.momentum_made = False
+
+    def open(self, stop: Facts, writing: Facts, load_failed: bool) -> None:
+        """Start the vote on the host's facts, asked now (on the CPU: gloo's thread works
+        while the forward and backward are queued)."""
+        self.stop = stop()
+        facts = [self.stop is not None, bool(writing()), load_failed]
+        self.host = torch.tensor(facts, dtype=torch.float32)
+        self.work = None
+        if distributed.active():
+            self.work = dist.all_reduce(self.host, group=self.host_group, async_op=True)
+
+    def agree(self, stats: StepStats, step: int) -> Verdict:
+        info, world = self.info, self.info.world_size
+        flags = torch.zeros(world + 1, device=info.device)
+        flags[info.rank] = (~torch.isfinite(stats.loss_sum)).float()
+        if self.guard.check_grad:
+            flags[world] = (~torch.isfinite(stats.grad_norm)).float()
+        distributed.all_reduce_sum(flags)
+        if self.work is not None:
+            self.work.wait()
+        stopped, writing, load_failed = (value > 0 for value in self.host.tolist())
+        self.settle()  # the previous step's flags: by now its all-reduce is done
+        stop_name = (self.stop or "a signal received by another rank") if stopped else None
+        if load_failed:  # not a non-finite step: neither logged nor counted as one
+            return Verdict(True, stop_name, (), not writing, load_failed=True)
+        self.pending = (flags, step)
+        if self.momentum_unmade():
+            return self._read_now(stop_name, not writing)
+        return Verdict(flags.sum() > 0, stop_name, (), writes_done=not writing)
+
+    def momentum_unmade(self) -> bool:
+        """Whether SGD's momentum buffers are still to be made. Until they are, the step is
+        decided on the host: torch's fused SGD makes a first step's buffers with
+        `torch.empty_like` (torch/optim/sgd.py, `_fused_sgd`) and its kernel skips on
+        `found_inf` before writing them, so a skipped first step would leave uninitialised
+        memory behind as the momentum. Adam's and AdamW's state starts at zeros."""
+        if self.momentum_made:
+            return False
+        opt = self.optimizer
+        self.momentum_made = not isinstance(opt, torch.optim.SGD) or all(
+            "momentum_buffer" in opt.state.get(p, {})
+            for group in opt.param_groups
+            if group["momentum"] != 0
+            for p in group["params"]
+            if p.requires_grad
+        )
+        return not self.momentum_made
+
+    def _read_now(self, stop_name: str | None, writes_done: bool) -> Verdict:
+        """The step read at once (`momentum_unmade`)."""
+        assert self.pending is not None
+        flags, step = self.pending
+        self.pending = None
+        with self.diverging():
+            skip, ranks = self.guard.judge(flags.tolist(), step)
+        return Verdict(skip, stop_name, ranks, writes_done=writes_done)
+
+    def apply(self, verdict: Verdict, after_applied: Callable[[], None] | None = None) -> None:
+        if not isinstance(verdict.skip, torch.Tensor):
+            super().apply(verdict, after_applied)
+            return
+        assert after_applied is None, "the weight average is updated on host verdicts"
+        self.buffers.restore_where(verdict.skip)
+        engine.apply_update(self.optimizer, self.scaler, found_inf=verdict.skip.float())
+
+    def settle(self) -> None:
+        """Read the step still pending (a host sync): log it, count it, and raise
+        DivergedError on every rank alike after too many non-finite steps in a row."""
+        if self.pending is not None:
+            flags, step = self.pending
+            self.pending = None
+            with self.diverging():
+                self.guard.judge(flags.tolist(), step)
+
+
+def why_not_on_device(cfg: Config, optimizer: Any, scaler: Any, sharded: bool) -> list[str]:
+    """What keeps this run's skip from being decided on the device, each naming its setting."""
+    reasons = []
+    if isinstance(optimizer, ZeroRedundancyOptimizer) or sharded:
+        reasons.append(f"dist.strategy={cfg.dist.strategy} (the skip flag is not measured there)")
+    elif not getattr(optimizer, "_step_supports_amp_scaling", False):
+        reasons.append(
+            f"optim.impl={cfg.optim.impl} builds no fused optimizer (only fused kernels take a "
+            "skip flag on the device)"
+        )
+    if scaler.is_enabled():
+        reasons.append("train.amp=fp16 (its GradScaler decides its own skips)")
+    if cfg.train.ema_decay > 0:
+        reasons.append("train.ema_decay (the weight average is updated on a host decision)")
+    return reasons
+
+
+def build(
+    cfg: Config,
+    info: DistInfo,
+    guard: StepGuard,
+    update: tuple[Any, Any, BufferSnapshot],
+    sharded: bool,
+) -> HostVerdicts:
+    """The run's verdicts over `update` (its optimizer, scaler and buffer snapshot).
+    train.verdict=device where it cannot be is bad input (exit 2); auto takes the device on
+    CUDA where it can, and says why where it cannot."""
+    optimizer, scaler, buffers = update
+    setting = cfg.train.verdict
+    reasons = why_not_on_device(cfg, optimizer, scaler, sharded)
+    if setting == "device" and reasons:
+        raise ConfigError(f"train.verdict=device is not possible with {'; '.join(reasons)}")
+    if setting == "host" or reasons or (setting == "auto" and info.device.type != "cuda"):
+        if setting == "auto" and reasons and info.device.type == "cuda" and info.is_main:
+            log.info("step verdicts read on the host every step: %s", "; ".join(reasons))
+        return HostVerdicts(guard, optimizer, scaler, buffers)
+    host_group = None
+    if distributed.active() and dist.get_backend() != "gloo":
+        host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
+    return DeviceVerdicts(guard, optimizer, scaler, buffers, host_group)
