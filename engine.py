@@ -150,14 +150,14 @@ def apply_update(
 class BufferSnapshot:
     """A copy of the model's buffers (BatchNorm statistics), refreshed before every step, so
     that a skipped step also leaves them as they were: its forward updated them already.
-    Held as one flat tensor per dtype: a step's copy is one concatenation per dtype, not a
-    copy per buffer, and `restore_where` restores them on a flag decided on the device."""
+    Held as one flat tensor per device and dtype: a step's copy is one concatenation each, not
+    a copy per buffer, and `restore_where` restores them on a flag decided on the device."""
 
     def __init__(self, model: nn.Module) -> None:
         buffers = [b for b in distributed.unwrap_model(model).buffers() if b.numel()]
-        kinds: dict[torch.dtype, list[torch.Tensor]] = {}
+        kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for buffer in buffers:
-            kinds.setdefault(buffer.dtype, []).append(buffer)
+            kinds.setdefault((buffer.device, buffer.dtype), []).append(buffer)
         self.groups = list(kinds.values())
         self.flat = [torch.cat([b.detach().reshape(-1) for b in group]) for group in self.groups]
         # each buffer's saved copy, a view into its group's flat tensor

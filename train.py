@@ -604,6 +604,7 @@ class Trainer:
         for loader in (self.train_loader, self.eval_loader):
             data.close_loader(loader)
         self.instruments.close()
+        self.verdicts.close()
 
     def __enter__(self) -> Trainer:
         return self

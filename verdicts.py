@@ -83,8 +83,12 @@ class HostVerdicts:
         elif after_applied is not None:
             after_applied()
 
-    def settle(self) -> None:
+    def settle(self) -> tuple[bool, tuple[int, ...]]:
         """Nothing is left to read: every verdict was read at its step."""
+        return False, ()
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class DeviceVerdicts(HostVerdicts):
@@ -103,12 +107,14 @@ class DeviceVerdicts(HostVerdicts):
         super().__init__(guard, optimizer, scaler, buffers)
         self.info = guard.info
         self.host_group = host_group  # None: the default group (gloo already)
-        self.pending: tuple[torch.Tensor, int] | None = None  # flags of a step not read yet
-        self.momentum_made = False
+        self.pending: Ballot | None = None  # the flags of a step not read yet
+        self.spare: Ballot | None = None  # a read ballot's buffers, for the next step
+        self.state_made = False
 
     def open(self, stop: Facts, writing: Facts, load_failed: bool) -> None:
-        """Start the vote on the host's facts, asked now (on the CPU: gloo's thread works
-        while the forward and backward are queued)."""
+        """Start the vote on the host's facts, asked now, before the forward (a signal that
+        arrives during the forward and backward is voted on at the next step, one step later
+        than train.verdict=host); gloo's thread works while the device is fed."""
         self.stop = stop()
         facts = [self.stop is not None, bool(writing()), load_failed]
         self.host = torch.tensor(facts, dtype=torch.float32)
@@ -118,49 +124,44 @@ class DeviceVerdicts(HostVerdicts):
 
     def agree(self, stats: StepStats, step: int) -> Verdict:
         info, world = self.info, self.info.world_size
-        flags = torch.zeros(world + 1, device=info.device)
+        ballot, self.spare = self.spare or Ballot.new(world + 1, info.device), None
+        flags = ballot.flags
+        flags.zero_()
         flags[info.rank] = (~torch.isfinite(stats.loss_sum)).float()
         if self.guard.check_grad:
             flags[world] = (~torch.isfinite(stats.grad_norm)).float()
         distributed.all_reduce_sum(flags)
+        ballot.post(step)
         if self.work is not None:
             self.work.wait()
         stopped, writing, load_failed = (value > 0 for value in self.host.tolist())
-        self.settle()  # the previous step's flags: by now its all-reduce is done
+        self.settle()  # the previous step's flags: waits for that step's copy, not this one's
         stop_name = (self.stop or "a signal received by another rank") if stopped else None
         if load_failed:  # not a non-finite step: neither logged nor counted as one
+            self.spare = ballot
             return Verdict(True, stop_name, (), not writing, load_failed=True)
-        self.pending = (flags, step)
-        if self.momentum_unmade():
-            return self._read_now(stop_name, not writing)
+        self.pending = ballot
+        if not self.state_made and not self.optimizer_state_made():
+            skip, ranks = self.settle()  # read at once: see `optimizer_state_made`
+            return Verdict(skip, stop_name, ranks, writes_done=not writing)
         return Verdict(flags.sum() > 0, stop_name, (), writes_done=not writing)
 
-    def momentum_unmade(self) -> bool:
-        """Whether SGD's momentum buffers are still to be made. Until they are, the step is
-        decided on the host: torch's fused SGD makes a first step's buffers with
+    def optimizer_state_made(self) -> bool:
+        """Whether the optimizer holds state for every parameter this step updates. Until it
+        does, the step is decided on the host, so that a skipped step leaves the state as the
+        host verdict does: torch's fused SGD makes a first step's momentum buffers with
         `torch.empty_like` (torch/optim/sgd.py, `_fused_sgd`) and its kernel skips on
-        `found_inf` before writing them, so a skipped first step would leave uninitialised
-        memory behind as the momentum. Adam's and AdamW's state starts at zeros."""
-        if self.momentum_made:
-            return False
+        `found_inf` before writing them (uninitialised memory kept as the momentum); fused
+        Adam and AdamW make zeros and a step count that a skipped step leaves at 0."""
         opt = self.optimizer
-        self.momentum_made = not isinstance(opt, torch.optim.SGD) or all(
-            "momentum_buffer" in opt.state.get(p, {})
+        self.state_made = all(
+            opt.state.get(p)
             for group in opt.param_groups
-            if group["momentum"] != 0
+            if not (isinstance(opt, torch.optim.SGD) and group["momentum"] == 0)
             for p in group["params"]
-            if p.requires_grad
+            if p.grad is not None
         )
-        return not self.momentum_made
-
-    def _read_now(self, stop_name: str | None, writes_done: bool) -> Verdict:
-        """The step read at once (`momentum_unmade`)."""
-        assert self.pending is not None
-        flags, step = self.pending
-        self.pending = None
-        with self.diverging():
-            skip, ranks = self.guard.judge(flags.tolist(), step)
-        return Verdict(skip, stop_name, ranks, writes_done=writes_done)
+        return self.state_made
 
     def apply(self, verdict: Verdict, after_applied: Callable[[], None] | None = None) -> None:
         if not isinstance(verdict.skip, torch.Tensor):
@@ -170,14 +171,54 @@ class DeviceVerdicts(HostVerdicts):
         self.buffers.restore_where(verdict.skip)
         engine.apply_update(self.optimizer, self.scaler, found_inf=verdict.skip.float())
 
-    def settle(self) -> None:
-        """Read the step still pending (a host sync): log it, count it, and raise
-        DivergedError on every rank alike after too many non-finite steps in a row."""
-        if self.pending is not None:
-            flags, step = self.pending
-            self.pending = None
+    def settle(self) -> tuple[bool, tuple[int, ...]]:
+        """Read the step still pending: log it, count it, and raise DivergedError on every
+        rank alike after too many non-finite steps in a row. On CUDA this waits for that
+        step's copy of its flags only, not for the work queued after it. Returns whether it
+        was skipped and the ranks whose loss was not finite (no step pending: not skipped)."""
+        ballot, self.pending = self.pending, None
+        if ballot is None:
+            return False, ()
+        try:
             with self.diverging():
-                self.guard.judge(flags.tolist(), step)
+                return self.guard.judge(ballot.read(), ballot.step)
+        finally:
+            self.spare = ballot
+
+    def close(self) -> None:
+        if self.host_group is not None:
+            dist.destroy_process_group(self.host_group)
+            self.host_group = None
+
+
+class Ballot:
+    """One step's non-finite flags on the device and, on CUDA, their copy in page-locked host
+    memory made on the stream after the all-reduce, with an event to wait for that copy alone
+    (a `.tolist()` of the device tensor would wait for everything queued since)."""
+
+    def __init__(self, flags: torch.Tensor, host: torch.Tensor | None) -> None:
+        self.flags, self.host = flags, host
+        self.event = torch.cuda.Event() if host is not None else None
+        self.step = 0
+
+    @classmethod
+    def new(cls, size: int, device: torch.device) -> Ballot:
+        flags = torch.zeros(size, device=device)
+        host = torch.zeros(size, pin_memory=True) if device.type == "cuda" else None
+        return cls(flags, host)
+
+    def post(self, step: int) -> None:
+        """After the all-reduce: start the copy to the host (CUDA)."""
+        self.step = step
+        if self.host is not None and self.event is not None:
+            self.host.copy_(self.flags, non_blocking=True)
+            self.event.record()
+
+    def read(self) -> list[float]:
+        if self.host is not None and self.event is not None:
+            self.event.synchronize()
+            return self.host.tolist()
+        return self.flags.tolist()
 
 
 def why_not_on_device(cfg: Config, optimizer: Any, scaler: Any, sharded: bool) -> list[str]:
@@ -218,5 +259,9 @@ def build(
         return HostVerdicts(guard, optimizer, scaler, buffers)
     host_group = None
     if distributed.active() and dist.get_backend() != "gloo":
-        host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
+        # the default group's timeout (distributed.setup): a stuck rank's watchdog fires first
+        timeout_s = cfg.dist.timeout_s + distributed.collective_grace_s(cfg.dist.timeout_s)
+        host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    if info.is_main:
+        log.info("step verdicts: the skip decided on the device, the vote read a step late")
     return DeviceVerdicts(guard, optimizer, scaler, buffers, host_group)

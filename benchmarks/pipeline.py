@@ -32,6 +32,7 @@ import engine
 import parallel
 import resilience
 import train
+import verdicts
 from benchmarks.common import Batch, Plan, Spread, Stats, interleaved, rates
 from ckpt import writer
 from config import Config, for_world_size
@@ -95,6 +96,17 @@ class Pipeline:
 
     def run(self, num_steps: int) -> None:
         self.trainer.train_steps(num_steps)
+
+    def run_on_host_verdicts(self, num_steps: int) -> None:
+        """`run`, the vote read on the host every step (train.verdict=host) over the same
+        optimizer and statistics: the rounds the device verdicts are measured against."""
+        trainer, own = self.trainer, self.trainer.verdicts
+        trainer.verdicts = verdicts.HostVerdicts(own.guard, own.optimizer, own.scaler, own.buffers)
+        trainer.verdicts.on_diverged = own.on_diverged
+        try:
+            trainer.train_steps(num_steps)
+        finally:
+            trainer.verdicts = own
 
     def save(self, step: int, accuracy: float | None, saver: writer.ProcessSaver | None) -> None:
         """The Trainer's checkpoint save as of `step`: synchronous, or handed to `saver`."""
@@ -267,7 +279,7 @@ def measure_overhead(rig: Rig, plan: Plan) -> dict[str, Any]:
     steps = rig.cfg.log.every_steps
     rig.pipeline.run(plan.warmup_steps)
     bare_steps(rig.bare, plan.warmup_steps)
-    cpu_seconds: dict[str, list[float]] = {"pipeline": [], "bare": []}
+    cpu_seconds: dict[str, list[float]] = {"pipeline": [], "bare": [], "host_verdicts": []}
 
     def on_cpu_clock(name: str, fn: Callable[[], Any]) -> Callable[[], None]:
         def run() -> None:
@@ -277,18 +289,24 @@ def measure_overhead(rig: Rig, plan: Plan) -> dict[str, Any]:
 
         return run
 
-    seconds = interleaved(
-        {
-            "pipeline": on_cpu_clock("pipeline", partial(rig.pipeline.run, steps)),
-            "bare": on_cpu_clock("bare", partial(bare_steps, rig.bare, steps)),
-        },
-        plan.repeats,
-        rig.info,
-    )
+    loops = {
+        "pipeline": on_cpu_clock("pipeline", partial(rig.pipeline.run, steps)),
+        "bare": on_cpu_clock("bare", partial(bare_steps, rig.bare, steps)),
+    }
+    if rig.pipeline.trainer.verdicts.on_device:  # the same loop, its vote read every step
+        loops["host_verdicts"] = on_cpu_clock(
+            "host_verdicts", partial(rig.pipeline.run_on_host_verdicts, steps)
+        )
+    seconds = interleaved(loops, plan.repeats, rig.info)
     samples = steps * rig.samples_per_step
     pipeline, bare = rates(seconds["pipeline"], samples), rates(seconds["bare"], samples)
     cpu_pipeline, cpu_bare = (statistics.median(cpu_seconds[name]) for name in ("pipeline", "bare"))
+    host = rates(seconds["host_verdicts"], samples) if "host_verdicts" in seconds else None
     return {
+        "verdicts": "device" if host is not None else "host",
+        # train.verdict=host's rounds, where the run's own are on the device (else None)
+        "host_verdicts_samples_per_s": host,
+        "ratio_host_verdicts": None if host is None else host.median / bare.median,
         "steps_per_round": steps,
         "pipeline_samples_per_s": pipeline,
         "bare_samples_per_s": bare,

@@ -69,12 +69,21 @@ def to_json(value: Any) -> Any:
     return value
 
 
+def _host_verdicts(o: dict[str, Any]) -> str:
+    if o.get("host_verdicts_samples_per_s") is None:
+        return f"; verdicts {o.get('verdicts', 'host')}"
+    host, ratio = o["host_verdicts_samples_per_s"].show(), o["ratio_host_verdicts"]
+    said = f"train.verdict=host in the same rounds: {host} samples/s, ratio {ratio:.3f}"
+    return f"; verdicts on the device ({said})"
+
+
 def notes(details: dict[str, Any]) -> dict[str, str]:
     """One line per figure: what it was computed from (median [min-max])."""
     o, ld, m, c = details["overhead"], details["loader"], details["mfu"], details["checkpoint"]
     lines = {
         "overhead_ratio": f"pipeline {o['pipeline_samples_per_s'].show()} / "
-        f"bare {o['bare_samples_per_s'].show()} samples/s; by CPU time {o['ratio_cpu_time']:.3f}",
+        f"bare {o['bare_samples_per_s'].show()} samples/s; by CPU time {o['ratio_cpu_time']:.3f}"
+        + _host_verdicts(o),
         "loader_headroom": f"loader {ld['loader_samples_per_s'].show()} samples/s "
         f"({ld['num_workers']} workers) / step {ld['step_samples_per_s']:,.0f}",
         "mfu": f"{m['flops_per_step'] / 1e9:.2f} GFLOP/step, {m['model_flops_per_s'] / 1e9:.2f} "

@@ -115,20 +115,22 @@ def stats(loss: float, correct: int = 3) -> StepStats:
     )
 
 
-def test_fused_sgds_first_skipped_step_is_decided_on_the_host() -> None:
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_first_step_is_decided_on_the_host_so_its_skip_leaves_no_state(name: str) -> None:
     """torch's fused SGD, its first step skipped on found_inf, keeps momentum buffers it never
-    wrote (torch/optim/sgd.py, _fused_sgd: torch.empty_like): the premise. So a step with no
-    momentum yet is read on the host and skipped by not stepping at all."""
+    wrote (torch/optim/sgd.py, _fused_sgd: torch.empty_like), and fused AdamW keeps zeros and
+    a step count of 0, where the host verdict (no step at all) keeps no state: the premise.
+    So a step with no optimizer state yet is read on the host and skipped by not stepping."""
     model = bn_model()
-    optimizer = optimizers(model)["sgd"]
+    optimizer = optimizers(model)[name]
     gradients(model, 1)
     optimizer.found_inf, optimizer.grad_scale = torch.tensor(1.0), None
     optimizer.step()
     del optimizer.found_inf, optimizer.grad_scale
-    assert all("momentum_buffer" in optimizer.state[p] for p in model.parameters())
+    assert all(optimizer.state[p] for p in model.parameters())
 
     model = bn_model()
-    optimizer = optimizers(model)["sgd"]
+    optimizer = optimizers(model)[name]
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=CPU)
     guard = StepGuard(info, max_consecutive=5, check_grad=True)
     parts = (optimizer, engine.make_scaler(CPU, None), engine.BufferSnapshot(model))
@@ -204,24 +206,34 @@ def job(run_dir: Path, verdict: str, *args: str, **settings: Any) -> list[str]:
     )
 
 
+ON_DEVICE = "step verdicts: the skip decided on the device"
+
+
 @pytest.mark.e2e
-def test_a_nonfinite_step_is_skipped_on_the_device_exactly_as_on_the_host(tmp_path) -> None:
-    """Rank 1's loss of step 4 is NaN: under both verdicts every checkpoint is the same bit for
-    bit, step 4 changed nothing, and the warning and the rows say so."""
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_nonfinite_step_is_skipped_on_the_device_exactly_as_on_the_host(
+    tmp_path, optimizer: str
+) -> None:
+    """Rank 0's loss of step 1 (no optimizer state yet) and rank 1's of step 4 are NaN: under
+    both verdicts every checkpoint is the same bit for bit, step 4 changed nothing, and the
+    warnings and the rows say so."""
     runs = {}
     for verdict in ("host", "device"):
         run_dir = tmp_path / verdict
         proc = helpers.launch(
             2,
             *job(run_dir, verdict, "--ckpt.every_steps=1", "--ckpt.keep=20"),
+            f"--optim.name={optimizer}",
             "--train.max_steps=6",
-            faults="nan@step=3,rank=1",
+            faults="nan@step=0,rank=0;nan@step=3,rank=1",
         )
         assert proc.returncode == 0, proc.output[-3000:]
+        assert (ON_DEVICE in proc.output) == (verdict == "device")
+        assert "step 1: non-finite loss on rank(s) [0]; skipped the optimizer step" in proc.output
         assert "step 4: non-finite loss on rank(s) [1]; skipped the optimizer step" in proc.output
         rows = helpers.rows(run_dir, "train")
-        assert [r["skipped_steps"] for r in rows] == [0, 0, 0, 1, 0, 0]
-        assert rows[-1]["skipped_steps_total"] == 1
+        assert [r["skipped_steps"] for r in rows] == [1, 0, 0, 1, 0, 0]
+        assert rows[-1]["skipped_steps_total"] == 2
         runs[verdict] = {
             step: torch.load(run_dir / "checkpoints" / f"step_{step}.pt", weights_only=True)
             for step in range(1, 7)
@@ -233,18 +245,22 @@ def test_a_nonfinite_step_is_skipped_on_the_device_exactly_as_on_the_host(tmp_pa
 
 @pytest.mark.e2e
 def test_consecutive_nonfinite_steps_read_a_step_late_still_stop_with_exit_3(tmp_path) -> None:
-    """Steps 3, 4 and 5 are NaN with train.max_nonfinite_steps=3: step 5's vote is read in step
-    6 (no checkpoint is due at 5), which raises before step 6 is applied or saved."""
+    """Rank 1's steps 3, 4 and 5 are NaN with train.max_nonfinite_steps=3: step 5's vote is read
+    in step 6 (no checkpoint is due at 5), which raises on both ranks before step 6 is applied
+    or saved."""
     run_dir = tmp_path / "run"
-    plan = ";".join(f"nan@step={step}" for step in (2, 3, 4))
+    plan = ";".join(f"nan@step={step},rank=1" for step in (2, 3, 4))
     proc = helpers.launch(
-        None,
+        2,
         *job(run_dir, "device", "--train.max_nonfinite_steps=3", "--ckpt.every_steps=2"),
         faults=plan,
     )
-    assert proc.returncode == exitcodes.EXIT_DIVERGED, proc.output[-3000:]
-    assert "3 consecutive optimizer steps had a non-finite loss" in proc.output
-    assert "(the last at step 5, loss on rank(s) [0])" in proc.output
+    assert proc.returncode != 0 and ON_DEVICE in proc.output
+    assert f"exitcode: {exitcodes.EXIT_DIVERGED}" in proc.output, proc.output[-3000:]
+    for rank in (0, 1):  # raised on each rank, rank 0 whose own losses were all finite too
+        said = f"[rank {rank}] ERROR train: 3 consecutive optimizer steps had a non-finite loss"
+        assert said in proc.output, proc.output[-3000:]
+    assert "(the last at step 5, loss on rank(s) [1])" in proc.output
     assert final_state(run_dir)["step"] == 4
 
 
@@ -260,6 +276,7 @@ def test_a_preempted_device_verdict_run_resumes_equal_to_an_uninterrupted_host_o
     assert proc.returncode == 0, proc.output[-3000:]
     run_dir = tmp_path / "run"
     first = helpers.launch(2, *job(run_dir, "device"), faults="sigterm@step=4,rank=1")
+    assert ON_DEVICE in first.output
     assert "exitcode: 75" in first.output and "exitcode: 1" not in first.output  # both ranks
     assert "preempted by a signal received by another rank at step 5" in first.output
     assert final_state(run_dir)["step"] == 5
