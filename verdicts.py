@@ -152,16 +152,19 @@ class DeviceVerdicts(HostVerdicts):
         host verdict does: torch's fused SGD makes a first step's momentum buffers with
         `torch.empty_like` (torch/optim/sgd.py, `_fused_sgd`) and its kernel skips on
         `found_inf` before writing them (uninitialised memory kept as the momentum); fused
-        Adam and AdamW make zeros and a step count that a skipped step leaves at 0."""
+        Adam and AdamW make zeros and a step count that a skipped step leaves at 0. Once every
+        trainable parameter has state the answer is kept; a parameter that has not yet had a
+        gradient (used on some steps only) keeps it asked at each step."""
         opt = self.optimizer
-        self.state_made = all(
-            opt.state.get(p)
+        stateful = [
+            p
             for group in opt.param_groups
             if not (isinstance(opt, torch.optim.SGD) and group["momentum"] == 0)
             for p in group["params"]
-            if p.grad is not None
-        )
-        return self.state_made
+            if p.requires_grad
+        ]
+        self.state_made = all(opt.state.get(p) for p in stateful)
+        return self.state_made or all(opt.state.get(p) for p in stateful if p.grad is not None)
 
     def apply(self, verdict: Verdict, after_applied: Callable[[], None] | None = None) -> None:
         if not isinstance(verdict.skip, torch.Tensor):
@@ -186,9 +189,9 @@ class DeviceVerdicts(HostVerdicts):
             self.spare = ballot
 
     def close(self) -> None:
-        if self.host_group is not None:
+        if self.host_group is not None and dist.is_initialized():  # not after the default one
             dist.destroy_process_group(self.host_group)
-            self.host_group = None
+        self.host_group = None
 
 
 class Ballot:

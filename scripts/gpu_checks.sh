@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The checks a session runs first when a GPU is lent, in one call (the device time is short):
+# The checks a session runs first when a GPU is lent (the device time is short: a step or two
+# per call of the device tool, each under STEP_TIMEOUT_S, 540 s by default):
 # the GPU tests, the benchmark on CUDA (its overhead rounds set train.verdict=device against
 # host where the run's own verdicts are on the device), the default job to its end with the
 # time it first reached 93%, and an NVTX timeline where nsys is installed. Every step's log and
 # the summary (exit status and seconds of each) go to OUT; a failed step does not stop the rest.
 #   bash scripts/gpu_checks.sh OUT [STEP ...]     STEP: tests benchmark default nsys (all)
+# OUT is taken from the repository root when relative.
 # Carry data/ (Fashion-MNIST, prepared here by a run of the default job) and wheels/ (tyro,
 # docs/running.md "A node without registry access"). PYTHON: the interpreter (python3).
 set -uo pipefail
@@ -13,13 +15,20 @@ out=${1:?usage: scripts/gpu_checks.sh OUT [tests benchmark default nsys]}
 shift
 steps=${*:-tests benchmark default nsys}
 py=${PYTHON:-python3}
+limit=${STEP_TIMEOUT_S:-540}
+for step in $steps; do
+  case $step in
+    tests | benchmark | default | nsys) ;;
+    *) echo "gpu_checks.sh: unknown step '$step' (tests benchmark default nsys)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$out"
 
 run_step() {  # NAME COMMAND...: the command's output to OUT/NAME.log, its status to the summary
   local name=$1 started=$SECONDS status
   shift
-  "$@" >"$out/$name.log" 2>&1
-  status=$?
+  timeout --signal=TERM --kill-after=20 "$limit" "$@" >"$out/$name.log" 2>&1
+  status=$?  # 124: past STEP_TIMEOUT_S
   echo "$name: exit $status in $((SECONDS - started)) s" | tee -a "$out/summary.txt"
 }
 
@@ -56,6 +65,5 @@ EOF
         echo "nsys: not installed" | tee -a "$out/summary.txt"
       fi
       ;;
-    *) echo "gpu_checks.sh: unknown step '$step' (tests benchmark default nsys)" >&2; exit 2 ;;
   esac
 done

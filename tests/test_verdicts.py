@@ -292,3 +292,34 @@ def test_train_verdict_device_with_a_foreach_optimizer_exits_2(tmp_path) -> None
     assert proc.returncode == 2, proc.output[-3000:]
     assert "train.verdict=device is not possible with optim.impl=auto" in proc.output
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_a_parameter_first_updated_late_gets_its_first_step_read_on_the_host() -> None:
+    """Two parameter groups, the second's parameter used from step 3 on only, whose loss is
+    NaN: the device verdict leaves it (and its momentum) exactly as the host verdict does,
+    through the finite step 4 after it."""
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=CPU)
+    finals = []
+    for kind in (verdicts.HostVerdicts, verdicts.DeviceVerdicts):
+        torch.manual_seed(0)
+        a, b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        sgd = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.1, momentum=0.9, fused=True)
+        guard = StepGuard(info, max_consecutive=5, check_grad=True)
+        judge = kind(
+            guard, sgd, engine.make_scaler(CPU, None), engine.BufferSnapshot(nn.Linear(1, 1))
+        )
+        for step, loss, used in (
+            (1, 1.0, [a]),
+            (2, 1.0, [a]),
+            (3, math.nan, [a, b]),
+            (4, 1.0, [a, b]),
+        ):
+            for p in used:
+                p.grad = torch.full_like(p, 0.5 * step)
+            judge.open(lambda: None, lambda: False, False)
+            judge.apply(judge.agree(stats(loss), step))
+        judge.settle()
+        assert guard.skipped_total == 1
+        finals.append((b.detach().clone(), sgd.state[b]["momentum_buffer"].clone()))
+    (b_host, m_host), (b_device, m_device) = finals
+    assert torch.equal(b_host, b_device) and torch.equal(m_host, m_device)
