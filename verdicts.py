@@ -9,12 +9,13 @@ whole step before it can queue the next one.
 
 `DeviceVerdicts` splits them. The facts the host knows (signal, writer, load failure) are
 all-reduced on the CPU (gloo; the default group on CPU runs, a gloo group beside NCCL), started
-before the forward and waited for after it, so the stop comes at the same step as on the host.
-The non-finite flags are all-reduced on the device and become a 0-dim flag there: the fused
-optimizer skips on it (engine.apply_update's `found_inf`), the BatchNorm statistics are restored
-on it (BufferSnapshot.restore_where), the meters drop the step's figures on it. The host reads
-the flags one step late, after the next step's forward and backward are queued (`settle`: the
-warning, the counts, DivergedError), and at once where the run stops, saves or ends a segment.
+before the forward and waited for after it: every rank stops at the same step (a signal landing
+during a forward and backward counts at the next one). The non-finite flags are all-reduced on
+the device into a 0-dim flag: the fused optimizer skips on it (engine.apply_update's
+`found_inf`), the BatchNorm statistics are restored on it, the meters drop the step on it. The
+host reads the flags a step late, after the next step's forward and backward are queued, from
+page-locked memory behind an event (`Ballot`; `settle`: the warning, the counts, DivergedError),
+and at once where the run stops, saves or ends a segment.
 """
 
 from __future__ import annotations
