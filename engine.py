@@ -160,13 +160,8 @@ class BufferSnapshot:
             kinds.setdefault((buffer.device, buffer.dtype), []).append(buffer)
         self.groups = list(kinds.values())
         self.flat = [torch.cat([b.detach().reshape(-1) for b in group]) for group in self.groups]
-        # each buffer's saved copy, a view into its group's flat tensor
         self.saved = [
-            [
-                part.view(b.shape)
-                for part, b in zip(flat.split([b.numel() for b in group]), group, strict=True)
-            ]
-            for flat, group in zip(self.flat, self.groups, strict=True)
+            self._views(flat, group) for flat, group in zip(self.flat, self.groups, strict=True)
         ]
 
     @torch.no_grad()
@@ -184,10 +179,13 @@ class BufferSnapshot:
         """`restore()` where the 0-dim bool `skip` is true, decided on the device."""
         for flat, group in zip(self.flat, self.groups, strict=True):
             kept = torch.where(skip, flat, torch.cat([b.reshape(-1) for b in group]))
-            parts = kept.split([b.numel() for b in group])
-            torch._foreach_copy_(
-                group, [part.view(b.shape) for part, b in zip(parts, group, strict=True)]
-            )
+            torch._foreach_copy_(group, self._views(kept, group))
+
+    @staticmethod
+    def _views(flat: torch.Tensor, group: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`flat` (a group's buffers one after another) as views shaped like each buffer."""
+        parts = flat.split([b.numel() for b in group])
+        return [part.view(b.shape) for part, b in zip(parts, group, strict=True)]
 
 
 def train_step(

@@ -202,7 +202,6 @@ class TrainMeter:
         self.world_size = world_size
         self.metric_names: tuple[str, ...] = ()  # metrics.factory's, from the first step
         self.metric_size = 0
-        self._slots = torch.tensor([0, 1, 2, 10], device=device)  # loss, correct, labelled, top5
         self._reset()
 
     def _reset(self) -> None:
@@ -228,30 +227,30 @@ class TrainMeter:
             self.metric_size, self.metric_names = len(stats.metric), stats.metric_names
             self.totals = torch.cat([self.totals, torch.zeros_like(stats.metric)])
         if isinstance(skipped, torch.Tensor):
-            self._add_unless(stats, skipped)
+            self._add(stats, skipped)
         elif skipped:
             self.skipped += 1  # the same on every rank: the skip decision is global
         else:
-            self.totals[0] += stats.loss_sum
-            self.totals[1] += stats.correct
-            self.totals[2] += stats.labelled
-            if stats.top5 is not None:
-                self.totals[10] += stats.top5
-            if stats.metric is not None:
-                self.totals[12:] += stats.metric
+            self._add(stats, None)
         self.samples += stats.num_samples
         self.data_wait_s += data_wait_s
         self.steps += 1
 
-    def _add_unless(self, stats: StepStats, skipped: torch.Tensor) -> None:
-        """`update`'s sums with no host read: zeros in place of a skipped step's figures."""
+    def _add(self, stats: StepStats, skipped: torch.Tensor | None) -> None:
+        """The step's sums into the totals, no host read; zeros in their place where the
+        device flag `skipped` is set (it is counted on the device too)."""
         top5 = stats.top5 if stats.top5 is not None else torch.zeros_like(stats.correct)
         kept = (stats.loss_sum, stats.correct, stats.labelled, top5)
         figures = torch.stack([k.to(torch.float64) for k in kept])
-        self.totals.index_add_(0, self._slots, torch.where(skipped, 0.0, figures))
-        self.totals[11] += skipped
-        if stats.metric is not None:
-            self.totals[12:] += torch.where(skipped, 0.0, stats.metric)
+        metric = stats.metric
+        if skipped is not None:
+            figures = torch.where(skipped, 0.0, figures)
+            metric = None if metric is None else torch.where(skipped, 0.0, metric)
+            self.totals[11] += skipped
+        self.totals[:3] += figures[:3]  # loss, correct, labelled
+        self.totals[10] += figures[3]  # top-5
+        if metric is not None:
+            self.totals[12:] += metric
 
     def add_allreduce(self, seconds: float) -> None:
         self.allreduce_s += seconds

@@ -210,10 +210,7 @@ class StepGuard:
     ) -> Verdict:
         world = self.info.world_size
         flags = self._flags
-        flags.zero_()
-        flags[self.info.rank] = (~torch.isfinite(loss_sum)).float()
-        if self.check_grad:
-            flags[world] = (~torch.isfinite(grad_norm)).float()
+        self.mark_nonfinite(flags, loss_sum, grad_norm)
         if stop_signal is not None:
             flags[world + 1] = 1.0
         if writing:
@@ -229,6 +226,16 @@ class StepGuard:
             stop = stop_signal or "a signal received by another rank"
         skip, nonfinite_ranks = self.judge(values[: world + 1], step)
         return Verdict(skip, stop, nonfinite_ranks, writes_done=writes_done)
+
+    def mark_nonfinite(
+        self, flags: torch.Tensor, loss_sum: torch.Tensor, grad_norm: torch.Tensor
+    ) -> None:
+        """Zero `flags` and set this rank's non-finite slots: its loss at [rank], the gradient
+        norm at [world size] (the layout `judge` reads), on the device, with no host read."""
+        flags.zero_()
+        flags[self.info.rank] = (~torch.isfinite(loss_sum)).float()
+        if self.check_grad:
+            flags[self.info.world_size] = (~torch.isfinite(grad_norm)).float()
 
     def judge(self, values: list[float], step: int) -> tuple[bool, tuple[int, ...]]:
         """Whether the step is skipped, from its all-reduced flags ([non-finite loss of each

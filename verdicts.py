@@ -127,10 +127,7 @@ class DeviceVerdicts(HostVerdicts):
         info, world = self.info, self.info.world_size
         ballot, self.spare = self.spare or Ballot.new(world + 1, info.device), None
         flags = ballot.flags
-        flags.zero_()
-        flags[info.rank] = (~torch.isfinite(stats.loss_sum)).float()
-        if self.guard.check_grad:
-            flags[world] = (~torch.isfinite(stats.grad_norm)).float()
+        self.guard.mark_nonfinite(flags, stats.loss_sum, stats.grad_norm)
         distributed.all_reduce_sum(flags)
         ballot.post(step)
         if self.work is not None:
